@@ -1,0 +1,248 @@
+"""Prompt tokenization that matches the engine token for token.
+
+Fast path: a ``tiktoken.Encoding`` built locally from the served model's own
+byte-level BPE ``tokenizer.json`` (vocab + merges -> mergeable ranks through the
+GPT-2 byte<->unicode table, the Split pre-tokenizer regex, added tokens as
+specials). tiktoken never downloads anything here. Fallback: HF ``tokenizers``
+when the file is not convertible (normalizers, Metaspace/SentencePiece models,
+added tokens with strip flags, merges that disagree with token ids...).
+
+Engine defaults mirrored (vLLM /v1/completions and /tokenize):
+- completions prompts: ``add_special_tokens=True`` (the post-processor's BOS/EOS);
+- chat: template rendered with ``add_generation_prompt=True``, then tokenized
+  with ``add_special_tokens=False`` because the template already emits BOS.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import tiktoken
+import tokenizers
+
+from cache.chat_template import ChatTemplate
+
+Backend = Literal["tiktoken", "hf"]
+
+# The pre-tokenizer ByteLevel(use_regex=True) uses GPT-2's split pattern.
+_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class NotConvertible(ValueError):
+    """The HF tokenizer cannot be expressed exactly as a tiktoken Encoding."""
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _split_pattern(pre: dict[str, Any] | None) -> str:
+    """The regex the pre-tokenizer splits with, if it is plain byte-level BPE."""
+    if pre is None:
+        raise NotConvertible("no pre-tokenizer")
+    steps = pre["pretokenizers"] if pre.get("type") == "Sequence" else [pre]
+    pattern: str | None = None
+    byte_level = False
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Split":
+            if pattern is not None or step.get("invert") or step.get("behavior") != "Isolated":
+                raise NotConvertible(f"unsupported Split {step}")
+            pat = step.get("pattern", {})
+            if "Regex" in pat:
+                pattern = pat["Regex"]
+            else:
+                raise NotConvertible("Split on a literal string")
+        elif kind == "ByteLevel":
+            if step.get("add_prefix_space"):
+                raise NotConvertible("ByteLevel add_prefix_space")
+            if step.get("use_regex", True):
+                if pattern is not None:
+                    raise NotConvertible("two split regexes")
+                pattern = _GPT2_PATTERN
+            byte_level = True
+        else:
+            raise NotConvertible(f"pre-tokenizer {kind}")
+    if not byte_level or pattern is None:
+        raise NotConvertible("not byte-level")
+    return pattern
+
+
+def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[tiktoken.Encoding, list[int] | None]:
+    """tokenizer.json (parsed) -> (Encoding, optional rank->id table).
+
+    tiktoken merges the adjacent pair whose concatenation has the lowest rank and
+    returns ranks as ids, while HF applies merges in list order and returns vocab
+    ids. When merge order and id order agree (BPE trainers append merged tokens in
+    order) ranks are the ids; otherwise ranks follow merge order and a table maps
+    them back to ids.
+    """
+    if spec.get("normalizer") is not None:
+        raise NotConvertible("normalizer present")
+    model = spec["model"]
+    if model.get("type") != "BPE" or model.get("dropout") or model.get("continuing_subword_prefix") \
+            or model.get("end_of_word_suffix") or model.get("byte_fallback"):
+        raise NotConvertible("not a plain BPE model")
+    pattern = _split_pattern(spec.get("pre_tokenizer"))
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    vocab: dict[str, int] = model["vocab"]
+    added = spec.get("added_tokens") or []
+    added_ids = {t["id"] for t in added}
+
+    def to_bytes(token: str) -> bytes:
+        try:
+            return bytes(byte_of[c] for c in token)
+        except KeyError as exc:
+            raise NotConvertible(f"token {token!r} is not byte-level") from exc
+
+    token_bytes = {to_bytes(tok): i for tok, i in vocab.items() if i not in added_ids}
+    missing = [b for b in range(256) if bytes([b]) not in token_bytes]
+    if missing:
+        raise NotConvertible(f"{len(missing)} single bytes missing from vocab")
+
+    merges = model.get("merges") or []
+    merged_ids: list[int] = []
+    for merge in merges:
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        merged = to_bytes(left) + to_bytes(right)
+        if merged not in token_bytes:
+            raise NotConvertible(f"merge result {merged!r} not in vocab")
+        merged_ids.append(token_bytes[merged])
+    merged_set = set(merged_ids)
+    if len(merged_set) != len(merged_ids):
+        raise NotConvertible("two merges produce the same token")
+    unreachable = [b for b, i in token_bytes.items() if len(b) > 1 and i not in merged_set]
+    if unreachable and not model.get("ignore_merges"):
+        # tiktoken looks a whole pre-token up in the vocab first; HF without
+        # ignore_merges does not, so a token no merge produces would diverge.
+        raise NotConvertible(f"{len(unreachable)} multi-byte tokens no merge produces")
+
+    specials: dict[str, int] = {}
+    for tok in added:
+        if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or \
+                (tok.get("normalized") and not tok.get("special")):
+            raise NotConvertible(f"added token {tok['content']!r} has matching flags tiktoken lacks")
+        specials[tok["content"]] = tok["id"]
+
+    single_ids = sorted(token_bytes[bytes([b])] for b in range(256))
+    monotone = all(a < b for a, b in zip(merged_ids, merged_ids[1:])) and \
+        (not merged_ids or max(single_ids) < merged_ids[0])
+    rank_to_id: list[int] | None = None
+    if monotone:
+        ranks = token_bytes
+        special_ranks = specials
+    else:
+        ranks = {bytes([b]): r for r, b in enumerate(sorted(range(256), key=lambda b: token_bytes[bytes([b])]))}
+        id_to_bytes = {i: b for b, i in token_bytes.items()}
+        for r, i in enumerate(merged_ids, start=256):
+            ranks[id_to_bytes[i]] = r
+        next_rank = 256 + len(merged_ids)
+        special_ranks = {}
+        for content in specials:
+            special_ranks[content] = next_rank
+            next_rank += 1
+        table = [0] * next_rank
+        for b, r in ranks.items():
+            table[r] = token_bytes[b]
+        for content, r in special_ranks.items():
+            table[r] = specials[content]
+        rank_to_id = table
+    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks)
+    return enc, rank_to_id
+
+
+class Tokenizer:
+    """The served model's tokenizer, as the engine applies it.
+
+    >>> tok = Tokenizer.from_model_dir(path)
+    >>> tok.encode("hello")                        # completions: with BOS
+    >>> tok.encode_chat([{"role": "user", "content": "hi"}])
+    """
+
+    def __init__(self, hf: tokenizers.Tokenizer, chat_template: ChatTemplate | None,
+                 encoding: tiktoken.Encoding | None = None, rank_to_id: list[int] | None = None,
+                 not_convertible_reason: str | None = None) -> None:
+        self.hf = hf
+        self.chat_template = chat_template
+        self.encoding = encoding
+        self._rank_to_id = rank_to_id
+        self.not_convertible_reason = not_convertible_reason
+        self.backend: Backend = "tiktoken" if encoding is not None else "hf"
+        # Post-processor template (e.g. BOS + A): found by diffing one encode
+        # with and without special tokens, which works for any template processor.
+        plain = hf.encode("a", add_special_tokens=False).ids
+        full = hf.encode("a", add_special_tokens=True).ids
+        self._prefix: list[int] = []
+        self._suffix: list[int] = []
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                self._prefix, self._suffix = full[:i], full[i + len(plain):]
+                break
+        else:  # post-processor rewrites content: only HF can apply it
+            self.encoding = None
+            self.backend = "hf"
+            self.not_convertible_reason = "post-processor changes the sequence"
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, backend: Backend | None = None) -> "Tokenizer":
+        """Load tokenizer.json (+ chat template). backend=None: tiktoken when convertible."""
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        hf = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            chat_template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
+        except ValueError:
+            chat_template = None
+        encoding = rank_to_id = None
+        reason = None
+        if backend != "hf":
+            try:
+                encoding, rank_to_id = build_tiktoken_encoding(json.loads(path.read_text()), model_dir.name)
+            except NotConvertible as exc:
+                if backend == "tiktoken":
+                    raise
+                reason = str(exc)
+        return cls(hf, chat_template, encoding, rank_to_id, reason)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.encoding is None:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # HF splits added tokens out of any text, whatever add_special_tokens says.
+        ids = self.encoding.encode(text, allowed_special="all")
+        if self._rank_to_id is not None:
+            table = self._rank_to_id
+            ids = [table[r] for r in ids]
+        if add_special_tokens and (self._prefix or self._suffix):
+            return self._prefix + ids + self._suffix
+        return ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        if self.encoding is None:
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        if self.chat_template is None:
+            from cache.chat_template import ChatTemplateError
+            raise ChatTemplateError("model has no chat template")
+        return self.chat_template.render(messages, tools, add_generation_prompt, **template_kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Chat messages -> prompt token ids as vLLM's chat endpoint builds them."""
+        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,172 @@
+"""The gateway's ASGI app: OpenAI-compatible endpoints, health, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import logging
+from typing import AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from serving.fleet import Fleet
+
+from .accounting import Accounting
+from .config import Config
+from .errors import APIError, AuthenticationError, error_response
+from .metrics import GatewayMetrics
+from .proxy import Proxy
+from .routing import Routing
+from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+log = logging.getLogger("yieldgate.gateway")
+_encode = msgspec.json.Encoder().encode
+
+
+class InsecureConfig(RuntimeError):
+    """Refusing to listen publicly without any credential."""
+
+
+def check_exposure(config: Config) -> None:
+    server = config.server
+    try:
+        loopback = ipaddress.ip_address(server.host).is_loopback
+    except ValueError:
+        loopback = server.host == "localhost"
+    if loopback or server.allow_insecure_public:
+        return
+    if not server.require_keys or not server.admin_token:
+        raise InsecureConfig(
+            f"refusing to listen on {server.host} without API keys and an admin token; set "
+            "server.require_keys and server.admin_token, or server.allow_insecure_public = true")
+
+
+class Gateway:
+    """Everything the app holds while it runs."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.fleet = Fleet(config.fleet)
+        self.routing = Routing(self.fleet)
+        self.accounting = Accounting(self.metrics)
+        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting)
+
+    async def start(self) -> None:
+        await self.fleet.start()
+        await self.routing.start()
+        await self.proxy.start()
+
+    async def close(self) -> None:
+        await self.proxy.close()
+        await self.routing.close()
+        await self.fleet.close()
+
+    def require_admin(self, request: Request) -> None:
+        token = self.config.server.admin_token
+        presented = _bearer(request)
+        if not token or not presented or not hmac.compare_digest(presented.encode(), token.encode()):
+            raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    return header[7:].strip() if header[:7].lower() == "bearer " else ""
+
+
+_REF = "#/components/schemas/{name}"
+_BODY_SCHEMAS, _COMPONENTS = msgspec.json.schema_components(
+    [ChatCompletionRequest, CompletionRequest], ref_template=_REF)
+
+
+def _openapi_body(schema: dict) -> dict:
+    """Request bodies are msgspec Structs; publish their JSON schema in the OpenAPI document."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_components(app: FastAPI) -> None:
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(config: Config) -> FastAPI:
+    check_exposure(config)
+    gw = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(title="yieldgate", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = gw
+    _with_components(app)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        gw.metrics.rejections.labels(exc.code or exc.type).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(400, str(exc.errors()[:3]), code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail),
+                              "invalid_request_error" if exc.status_code < 500 else "server_error",
+                              code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, "Internal gateway error.", "server_error", code="internal_error")
+
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]))
+    async def chat_completions(request: Request) -> Response:
+        return await gw.proxy.handle("chat", request)
+
+    @app.post("/v1/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[1]))
+    async def completions(request: Request) -> Response:
+        return await gw.proxy.handle("completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        name = config.fleet.model
+        cards = [ModelCard(id=name)]
+        if gw.fleet.in_tier("fast"):
+            cards.append(ModelCard(id=f"{name}:fast"))
+        return Response(_encode(ModelList(data=cards)), media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        replicas = {r.name: {"tier": r.tier, "healthy": r.healthy, "admitted": r.admitted,
+                             "inflight": r.inflight, "weight_version": r.weight_version}
+                    for r in gw.fleet.replicas.values()}
+        ok = any(r.routable for r in gw.fleet.replicas.values())
+        return Response(_encode({"status": "ok" if ok else "degraded", "replicas": replicas}),
+                        status_code=200 if ok else 503, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for r in gw.fleet.replicas.values():
+            gw.metrics.replica_up.labels(r.name, r.tier).set(1 if r.routable else 0)
+            gw.metrics.inflight.labels(r.name).set(r.inflight)
+        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,131 @@
+"""The `yieldgate` command."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from .config import Config, ConfigError, home_dir, load_config
+
+app = typer.Typer(help="yieldgate: inference-economics gateway for vLLM fleets.", no_args_is_help=True)
+model_app = typer.Typer(help="The generated demo model.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console(stderr=True)
+
+
+def _load(config_path: Optional[Path]) -> Config:
+    try:
+        return load_config(config_path)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _serve(config: Config) -> None:
+    import uvicorn
+
+    from .app import InsecureConfig, create_app
+
+    try:
+        asgi = create_app(config)
+    except InsecureConfig as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    uvicorn.Server(uvicorn.Config(
+        asgi, host=config.server.host, port=config.server.port, loop="uvloop", http="httptools",
+        access_log=False, log_level="warning", timeout_graceful_shutdown=10,
+    )).run()
+
+
+@model_app.command("make")
+def model_make(
+    out: Optional[Path] = typer.Option(None, help="Directory to write; default: the model cache."),
+    seed: int = typer.Option(0, help="Seed for weights."),
+) -> None:
+    """Write the deterministic demo model (tiny Llama + byte-level BPE) in Hugging Face format."""
+    from serving.demo_model import DemoModelSpec, ensure_demo_model, files_digest, make_demo_model
+
+    spec = DemoModelSpec(seed=seed)
+    path = make_demo_model(out, spec) if out else ensure_demo_model(spec=spec)
+    console.print(f"demo model: {path}\nsha256 of files: {files_digest(path)}")
+    print(path)
+
+
+@app.command()
+def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file.")) -> None:
+    """Run the gateway alone against the fleet in the config (replicas given by URL)."""
+    _serve(_load(config))
+
+
+@app.command()
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
+    model: Optional[Path] = typer.Option(None, help="HF model directory to serve instead of the demo model."),
+    port: Optional[int] = typer.Option(None, help="Gateway port (default 8000)."),
+) -> None:
+    """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
+    from serving.demo_model import ensure_demo_model
+    from serving.launcher import LaunchError, Launcher
+
+    cfg = _load(config)
+    if port:
+        cfg.server.port = port
+    model_path = str(model or cfg.fleet.model_path or "")
+    if not model_path:
+        console.print("preparing the demo model ...")
+        model_path = str(ensure_demo_model())
+    log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
+    launcher = Launcher(cfg.fleet, model_path, log_dir)
+
+    def _terminate(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        engines = launcher.start()
+        for e in engines:
+            console.print(f"engine {e.replica.name} ({e.replica.tier}) pid {e.process.pid} "
+                          f"{e.url}  log: {e.log_path}")
+        _wait_with_progress(launcher)
+        signal.signal(signal.SIGTERM, previous)
+        url = f"http://{cfg.server.host}:{cfg.server.port}"
+        console.print(f"[green]yieldgate is up[/green]: {url}/v1  (model '{cfg.fleet.model}', "
+                      f"fast tier: '{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz")
+        _serve(cfg)
+    except LaunchError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        console.print("stopping engines ...")
+        launcher.stop()
+
+
+def _wait_with_progress(launcher) -> None:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("starting engines", total=None)
+
+        def report(_: str, elapsed: float, pending: set[str]) -> None:
+            waiting = ", ".join(sorted(pending)) or "all healthy"
+            progress.update(task, description=f"waiting for engines: {waiting}")
+
+        launcher.wait_healthy(progress=report)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The one configuration object: a TOML file plus YIELDGATE_* environment overrides.
+
+An override names a path with double underscores: YIELDGATE_SERVER__PORT=9000 sets
+[server] port = 9000; YIELDGATE_SERVER__ADMIN_TOKEN sets the admin credential.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+import msgspec
+
+from serving.config import FleetConfig, demo_fleet
+
+ENV_PREFIX = "YIELDGATE_"
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str = ""              # required for /admin/*; "" = admin API disabled
+    require_keys: bool = False         # inference endpoints need an API key
+    allow_insecure_public: bool = False  # bind a non-loopback address with no credentials at all
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    data_dir: str = ""                 # ledger and journal; "" = <YIELDGATE_HOME>/data
+    log_content: bool = False          # never log prompts or completions unless set
+    cors_origins: list[str] = []       # CORS is off unless origins are listed
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 2048
+    max_tokens: int = 4096
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 300.0
+    streams_per_key: int = 64
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    fleet: FleetConfig = msgspec.field(default_factory=demo_fleet)
+    pricing: dict[str, Any] = {}       # decoded by pricing.PricingConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    apply_env_overrides(raw, os.environ if env is None else env)
+    try:
+        # strict=False: environment values are strings ("9000" for an int field).
+        return msgspec.convert(raw, Config, strict=False)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+
+
+def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> None:
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+
+
+def home_dir() -> Path:
+    return Path(os.environ.get("YIELDGATE_HOME") or Path.home() / ".cache" / "yieldgate")

@@ -1,0 +1,47 @@
+"""Prometheus metrics (prefix `yieldgate_`), in a registry per app so tests can run several."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter(
+            "yieldgate_requests", "Requests by endpoint, tier and HTTP status",
+            ["endpoint", "tier", "status"], registry=r)
+        self.tokens = Counter(
+            "yieldgate_tokens", "Tokens by kind (prompt, cached, uncached, completion), tier and model",
+            ["kind", "tier", "model"], registry=r)
+        self.ttft = Histogram(
+            "yieldgate_ttft_seconds", "Time to first byte of the upstream answer",
+            ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "yieldgate_request_duration_seconds", "End-to-end request duration at the gateway",
+            ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge(
+            "yieldgate_inflight_requests", "Requests in flight per replica", ["replica"], registry=r)
+        self.replica_up = Gauge(
+            "yieldgate_replica_up", "1 when the replica is healthy and admitted", ["replica", "tier"],
+            registry=r)
+        self.retries = Counter(
+            "yieldgate_upstream_retries", "Requests retried on another replica", ["tier"], registry=r)
+        self.predicted_cached = Counter(
+            "yieldgate_predicted_cached_tokens", "Cached tokens the router predicted", ["tier"],
+            registry=r)
+        self.prediction_error = Histogram(
+            "yieldgate_cache_prediction_error_tokens",
+            "Absolute difference between predicted and reported cached tokens", ["tier"],
+            buckets=(0, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
+        self.cost = Counter(
+            "yieldgate_cost_usd", "List-price spend by kind (uncached_input, cached_input, output)",
+            ["kind", "tier", "model"], registry=r)
+        self.rejections = Counter(
+            "yieldgate_rejections", "Requests refused before reaching an engine, by reason",
+            ["reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,303 @@
+"""The request path: validate → tier → route → forward (unary or streamed) → account.
+
+Bodies are decoded once into a dict for forwarding (unknown fields survive untouched) and converted
+to a typed request for validation. Streams are forwarded event by event as they arrive; only the
+final usage event is decoded and rewritten (cost, tier, weight version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import aiohttp
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from serving.fleet import Fleet, Replica
+
+from .accounting import Accounting, RequestContext, Usage
+from .config import Config
+from .errors import (APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ServiceUnavailable,
+                     UpstreamError, error_body, param_from_msgspec)
+from .routing import Routing
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .sse import DONE, EventSplitter, data_event, events
+from .tiers import RESPONSE_SERVICE_TIER, resolve_tier
+
+log = logging.getLogger("yieldgate.proxy")
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder(decimal_format="number").encode
+_REQUEST_TYPES = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# Failures before the first response byte: the request can safely go to another replica.
+_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+class Proxy:
+    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting):
+        self.config = config
+        self.fleet = fleet
+        self.routing = routing
+        self.accounting = accounting
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        limits = self.config.limits
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=limits.upstream_connect_timeout_s,
+                sock_read=limits.upstream_read_timeout_s),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self.session:
+            await self.session.close()
+
+    # -- request parsing -------------------------------------------------------------------------
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(self, kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
+        if not body:
+            raise InvalidRequest("Request body is empty; expected a JSON object.")
+        try:
+            raw = _decode(body)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(raw, dict):
+            raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+        try:
+            typed = msgspec.convert(raw, _REQUEST_TYPES[kind])
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            raise InvalidRequest(message, param=param_from_msgspec(message), code="invalid_value") from None
+        limits = self.config.limits
+        if kind == "chat" and len(typed.messages) > limits.max_messages:
+            raise InvalidRequest(f"Too many messages: at most {limits.max_messages}.", param="messages")
+        if (typed.output_limit or 0) > limits.max_tokens:
+            raise InvalidRequest(f"max_tokens must be at most {limits.max_tokens}.", param="max_tokens",
+                                 code="invalid_value")
+        if kind == "completions" and not typed.prompt:
+            raise InvalidRequest("prompt must not be empty.", param="prompt")
+        return raw, typed
+
+    # -- the request path ------------------------------------------------------------------------
+
+    async def handle(self, kind: str, request: Request) -> Response:
+        started = time.perf_counter()
+        body = await self.read_body(request)
+        raw, typed = self.parse(kind, body)
+        model, tier = resolve_tier(typed.model, typed.service_tier)
+        if model != self.fleet.config.model:
+            raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
+        ctx = RequestContext(
+            request_id=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}",
+            kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
+            session_id=request.headers.get("x-session-id") or typed.user or "",
+            key=getattr(request.state, "api_key", None),
+            max_tokens=typed.output_limit,
+        )
+        self.accounting.admit(ctx)
+        raw["model"] = model
+        want_usage = bool(typed.stream_options and typed.stream_options.include_usage)
+        if typed.stream:
+            # Always ask the engine for usage: every streamed token is billed, even if the client
+            # did not ask to see the usage event.
+            options = raw.get("stream_options") or {}
+            options["include_usage"] = True
+            raw["stream_options"] = options
+        payload = _encode(raw)
+        try:
+            if typed.stream:
+                return await self._stream(ctx, typed, payload, want_usage)
+            return await self._unary(ctx, typed, payload)
+        except BaseException:
+            if not ctx.finished:
+                self.accounting.finish(ctx, None, "error")
+            raise
+
+    async def _open(self, ctx: RequestContext, typed: Any, payload: bytes) -> tuple[Replica, aiohttp.ClientResponse]:
+        """Send to the routed replica; on a connection failure, once more to another replica."""
+        assert self.session is not None
+        excluded: set[str] = set()
+        last_exc: BaseException | None = None
+        for attempt in range(2):
+            candidates = [r for r in self.fleet.candidates(ctx.tier) if r.name not in excluded]
+            if not candidates:
+                break
+            decision = self.routing.pick(ctx, typed, candidates)
+            replica = decision.replica
+            ctx.bind(replica, decision.predicted_cached_tokens)
+            replica.inflight += 1
+            try:
+                resp = await self.session.post(
+                    replica.url + _PATHS[ctx.kind], data=payload,
+                    headers={"content-type": "application/json", "x-request-id": ctx.request_id})
+                return replica, resp
+            except _RETRYABLE as exc:
+                replica.inflight -= 1
+                last_exc = exc
+                excluded.add(replica.name)
+                self.fleet.set_health(replica, False)
+                if attempt == 0:
+                    self.accounting.metrics.retries.labels(ctx.tier).inc()
+                log.warning("replica %s failed before answering (%s); retrying elsewhere",
+                            replica.name, type(exc).__name__)
+        if last_exc is not None:
+            raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
+        raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
+
+    async def _unary(self, ctx: RequestContext, typed: Any, payload: bytes) -> Response:
+        for attempt in range(2):
+            replica, resp = await self._open(ctx, typed, payload)
+            try:
+                data = await resp.read()
+                break
+            except _RETRYABLE:
+                self.fleet.set_health(replica, False)
+                if attempt == 1:
+                    raise UpstreamError("Upstream replica failed while answering.") from None
+            finally:
+                replica.inflight -= 1
+                resp.release()
+        ctx.first_byte()
+        if resp.status != 200:
+            self.accounting.finish(ctx, None, f"upstream_{resp.status}")
+            return _upstream_error(resp.status, data)
+        try:
+            answer = _decode(data)
+            usage = Usage.from_wire(answer.get("usage"))
+        except (msgspec.DecodeError, AttributeError, TypeError):
+            self.accounting.finish(ctx, None, "error")
+            raise UpstreamError("Upstream replica sent an unreadable answer.") from None
+        extra = self.accounting.finish(ctx, usage, "ok")
+        self._decorate(answer, ctx, usage, extra)
+        return Response(_encode(answer), media_type="application/json", headers=self._headers(ctx, extra))
+
+    async def _stream(self, ctx: RequestContext, typed: Any, payload: bytes, want_usage: bool) -> Response:
+        replica, resp = await self._open(ctx, typed, payload)
+        if resp.status != 200:
+            try:
+                data = await resp.read()
+            finally:
+                replica.inflight -= 1
+                resp.release()
+            self.accounting.finish(ctx, None, f"upstream_{resp.status}")
+            return _upstream_error(resp.status, data)
+        return StreamingResponse(
+            self._relay(ctx, replica, resp, want_usage),
+            media_type="text/event-stream",
+            headers={**self._headers(ctx, None), "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+
+    async def _relay(self, ctx: RequestContext, replica: Replica, resp: aiohttp.ClientResponse,
+                     want_usage: bool) -> AsyncIterator[bytes]:
+        splitter = EventSplitter()
+        usage: Usage | None = None
+        status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
+        try:
+            async for data in resp.content.iter_any():
+                if ctx.ttft is None:
+                    ctx.first_byte()
+                block = splitter.feed(data)
+                if not block:
+                    continue
+                if b'"usage":{' not in block:
+                    ctx.chunks += block.count(b"\n\n")
+                    yield block
+                    continue
+                out = []
+                for event in events(block):
+                    if b'"usage":{' in event and event.startswith(b"data: {"):
+                        usage, rewritten = self._usage_event(ctx, event[6:], want_usage)
+                        if rewritten:
+                            out.append(rewritten)
+                    else:
+                        ctx.chunks += 1
+                        out.append(event + b"\n\n")
+                if out:
+                    yield b"".join(out)
+            rest = splitter.rest()
+            if rest.strip():
+                yield rest
+            status = "ok"
+        except _RETRYABLE as exc:
+            # The engine died mid-stream: end the stream the way OpenAI clients understand.
+            self.fleet.set_health(replica, False)
+            status = "upstream_error"
+            yield data_event(error_body(f"Upstream replica failed mid-stream: {type(exc).__name__}",
+                                        "upstream_error", None, "upstream_error"))
+            yield DONE
+        finally:
+            replica.inflight -= 1
+            resp.close()  # closing the connection makes vLLM abort the request if unfinished
+            if not ctx.finished:
+                self.accounting.finish(ctx, usage, status)
+
+    def _usage_event(self, ctx: RequestContext, payload: bytes, want_usage: bool) -> tuple[Usage, bytes | None]:
+        chunk = _decode(payload)
+        usage = Usage.from_wire(chunk.get("usage"))
+        extra = self.accounting.finish(ctx, usage, "ok")
+        if not want_usage:
+            return usage, None
+        self._decorate(chunk, ctx, usage, extra)
+        return usage, data_event(_encode(chunk))
+
+    def _decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
+        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
+        answer["system_fingerprint"] = f"yieldgate-{ctx.weight_version}"
+        wire = answer.get("usage")
+        if isinstance(wire, dict):
+            details = wire.get("prompt_tokens_details")
+            if not isinstance(details, dict):
+                details = wire["prompt_tokens_details"] = {}
+            details["cached_tokens"] = usage.cached_tokens
+            wire.update(extra)
+
+    def _headers(self, ctx: RequestContext, extra: dict[str, Any] | None) -> dict[str, str]:
+        headers = {
+            "x-request-id": ctx.request_id,
+            "x-yieldgate-tier": ctx.tier,
+            "x-yieldgate-replica": ctx.replica_name,
+            "x-yieldgate-weight-version": ctx.weight_version,
+            "x-yieldgate-predicted-cached-tokens": str(ctx.predicted_cached_tokens),
+        }
+        if ctx.cost_header:
+            headers["x-yieldgate-cost-usd"] = ctx.cost_header
+        return headers
+
+
+def _upstream_error(status: int, data: bytes) -> Response:
+    """Pass the engine's OpenAI-shaped error through; wrap anything else."""
+    try:
+        body = _decode(data)
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            err = body["error"]
+            code = err.get("code")
+            return Response(error_body(str(err.get("message", "")), "invalid_request_error" if status < 500 else "upstream_error",
+                                       err.get("param"), code if isinstance(code, str) else None),
+                            status_code=status if status < 500 else 502, media_type="application/json")
+    except msgspec.DecodeError:
+        pass
+    return APIError(f"Upstream replica answered HTTP {status}.", status=502 if status >= 500 else status,
+                    code="upstream_error").response()

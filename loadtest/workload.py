@@ -1,0 +1,353 @@
+"""Seeded, reproducible workloads: each yields an endless stream of sessions (one or more turns).
+
+A single-turn workload yields one-turn sessions. Token counts are approximate (words-per-token
+estimate): tokenizing would put a tokenizer on the timing path and tie the tool to one model.
+The same workload and seed always yield the same sessions, so several targets can be compared
+on identical traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+# OpenAI's rule of thumb (~0.75 English words per token); byte-level BPE with a small vocabulary
+# (the demo model) needs more tokens per word, so the estimate is a knob, not a constant.
+DEFAULT_WORDS_PER_TOKEN = 0.75
+
+_WORDS = (
+    "the of and to in is that for it as with was on be at by this had not are but from or have an "
+    "they which one you were her all she there would their we him been has when who will more no if "
+    "out so said what up its about into than them can only other new some could time these two may "
+    "then do first any my now such like our over man me even most made after also did many before "
+    "must through back years where much your way well down should because each just those people "
+    "how too little state good very make world still own see men work long get here between both "
+    "life being under never day same another know while last might us great old year off come since "
+    "against go came right used take three cache token model router engine latency budget tenant "
+    "prefix request stream batch policy replica tier price ledger weight decode prompt kernel queue"
+).split()
+
+_IDENTIFIERS = (
+    "count total items value index result buffer offset limit window score weight name path size "
+    "tokens blocks prefix cache price budget tenant replica queue batch stream"
+).split()
+
+
+class Turn(msgspec.Struct, frozen=True):
+    """One request's worth of new client-side content in a session."""
+
+    user: str
+    max_tokens: int
+    input_tokens_est: int  # approximate tokens of the new content (not the whole context)
+    tool_output: str | None = None  # simulated tool result, sent before `user` on agent turns
+    think_time_s: float = 0.0  # client pause before this turn (agent "thinking" / tool running)
+
+
+class Session(msgspec.Struct, frozen=True):
+    id: str
+    turns: list[Turn]
+    system: str | None = None
+    group: str = ""  # tenant / category, reported per request
+    arrival_s: float | None = None  # trace replay: offset from the start of the run
+
+
+class WorkloadError(ValueError):
+    """A workload is misconfigured or its trace file cannot be read."""
+
+
+def _text(rng: random.Random, tokens: int, words_per_token: float) -> str:
+    n = max(1, round(tokens * words_per_token))
+    return " ".join(rng.choices(_WORDS, k=n))
+
+
+def _tokens_of(text: str, words_per_token: float) -> int:
+    return max(1, math.ceil(len(text.split()) / words_per_token))
+
+
+def _spread(rng: random.Random, mean: int, range_ratio: float, dist: str) -> int:
+    """A length around `mean`: uniform in [mean*(1-r), mean*(1+r)] as `vllm bench serve --random-range-ratio`."""
+    if dist == "fixed" or range_ratio <= 0:
+        return max(1, mean)
+    if dist == "normal":
+        return max(1, round(rng.gauss(mean, mean * range_ratio)))
+    if dist == "lognormal":
+        sigma = range_ratio
+        return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+    low = max(1, math.floor(mean * (1 - range_ratio)))
+    high = max(low, math.ceil(mean * (1 + range_ratio)))
+    return rng.randint(low, high)
+
+
+class _Base(msgspec.Struct, kw_only=True):
+    seed: int = 0
+    words_per_token: float = DEFAULT_WORDS_PER_TOKEN
+
+    def _rng(self, stream: str) -> random.Random:
+        # String seeds are hashed with SHA-512 by random.Random: stable across processes/PYTHONHASHSEED.
+        return random.Random(f"{self.seed}:{type(self).__name__}:{stream}")
+
+    def sessions(self) -> Iterator[Session]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def take(self, n: int) -> list[Session]:
+        it = self.sessions()
+        return [s for _, s in zip(range(n), it)]
+
+    def describe(self) -> dict:
+        return {"kind": type(self).__struct_config__.tag, **msgspec.to_builtins(self)}
+
+
+class SharedPrefixWorkload(_Base, tag="shared_prefix"):
+    """Multi-tenant shared prefix: each tenant has a long system prompt shared by its users.
+
+    Request = tenant prefix + per-user context + fresh suffix; the prefix is what a cache-aware
+    router should keep on one replica.
+    """
+
+    tenants: int = 4
+    prefix_tokens: int = 512
+    users_per_tenant: int = 8
+    user_context_tokens: int = 32
+    suffix_tokens: int = 64
+    output_tokens: int = 64
+
+    def sessions(self) -> Iterator[Session]:
+        if self.tenants < 1 or self.users_per_tenant < 1:
+            raise WorkloadError("tenants and users_per_tenant must be >= 1")
+        fixed = self._rng("fixed")
+        prefixes = [
+            f"You are the assistant of tenant {t}. " + _text(fixed, self.prefix_tokens, self.words_per_token)
+            for t in range(self.tenants)
+        ]
+        users = [
+            [_text(fixed, self.user_context_tokens, self.words_per_token) for _ in range(self.users_per_tenant)]
+            for _ in range(self.tenants)
+        ]
+        rng = self._rng("stream")
+        i = 0
+        while True:
+            t = rng.randrange(self.tenants)
+            u = rng.randrange(self.users_per_tenant)
+            suffix = _text(rng, self.suffix_tokens, self.words_per_token)
+            user = f"[user {u}] {users[t][u]}\n{suffix}"
+            yield Session(
+                id=f"sp-{i}",
+                system=prefixes[t],
+                group=f"tenant-{t}",
+                turns=[
+                    Turn(
+                        user=user,
+                        max_tokens=self.output_tokens,
+                        input_tokens_est=self.prefix_tokens + self.user_context_tokens + self.suffix_tokens,
+                    )
+                ],
+            )
+            i += 1
+
+
+class AgentSessionWorkload(_Base, tag="agent"):
+    """Multi-turn agent sessions: append-only context, simulated tool outputs, think time.
+
+    Each turn's request carries the whole history including earlier assistant answers (the
+    runner appends them), so every turn after the first is a long cached prefix + a new tail.
+    """
+
+    system_tokens: int = 256
+    first_user_tokens: int = 128
+    turns_min: int = 3
+    turns_max: int = 6
+    tool_output_tokens: int = 128
+    followup_tokens: int = 32
+    output_tokens: int = 64
+    think_time_s: float = 0.0  # mean of an exponential pause between turns
+
+    def sessions(self) -> Iterator[Session]:
+        if self.turns_min < 1 or self.turns_max < self.turns_min:
+            raise WorkloadError("need 1 <= turns_min <= turns_max")
+        fixed = self._rng("fixed")
+        system = "You are a coding agent with tools. " + _text(fixed, self.system_tokens, self.words_per_token)
+        rng = self._rng("stream")
+        i = 0
+        while True:
+            n = rng.randint(self.turns_min, self.turns_max)
+            turns = [
+                Turn(
+                    user="Task: " + _text(rng, self.first_user_tokens, self.words_per_token),
+                    max_tokens=self.output_tokens,
+                    input_tokens_est=self.first_user_tokens,
+                )
+            ]
+            for k in range(1, n):
+                tool = f"<tool_result step={k}>\n" + _text(rng, self.tool_output_tokens, self.words_per_token) + "\n</tool_result>"
+                think = rng.expovariate(1.0 / self.think_time_s) if self.think_time_s > 0 else 0.0
+                turns.append(
+                    Turn(
+                        user=_text(rng, self.followup_tokens, self.words_per_token),
+                        tool_output=tool,
+                        max_tokens=self.output_tokens,
+                        input_tokens_est=self.tool_output_tokens + self.followup_tokens,
+                        think_time_s=think,
+                    )
+                )
+            yield Session(id=f"agent-{i}", system=system, group="agent", turns=turns)
+            i += 1
+
+
+class RandomLengthWorkload(_Base, tag="random"):
+    """Random input/output lengths (uniform by default, like `vllm bench serve --dataset-name random`)."""
+
+    input_tokens: int = 256
+    output_tokens: int = 128
+    range_ratio: float = 0.0
+    distribution: Literal["uniform", "normal", "lognormal", "fixed"] = "uniform"
+    prefix_tokens: int = 0  # shared prefix in front of every prompt (vllm's --random-prefix-len)
+
+    def sessions(self) -> Iterator[Session]:
+        prefix = _text(self._rng("fixed"), self.prefix_tokens, self.words_per_token) + "\n" if self.prefix_tokens else ""
+        rng = self._rng("stream")
+        i = 0
+        while True:
+            n_in = _spread(rng, self.input_tokens, self.range_ratio, self.distribution)
+            n_out = _spread(rng, self.output_tokens, self.range_ratio, self.distribution)
+            yield Session(
+                id=f"rand-{i}",
+                group="random",
+                turns=[Turn(user=prefix + _text(rng, n_in, self.words_per_token), max_tokens=n_out,
+                            input_tokens_est=self.prefix_tokens + n_in)],
+            )
+            i += 1
+
+
+class CodeEditWorkload(_Base, tag="code_edit"):
+    """Input-grounded code editing: return a code block with one small change.
+
+    The answer mostly copies the prompt, which is where n-gram speculative decoding shines.
+    """
+
+    functions: int = 6
+    lines_per_function: int = 6
+    output_slack: float = 1.2  # max_tokens = estimated code tokens * slack
+
+    def sessions(self) -> Iterator[Session]:
+        rng = self._rng("stream")
+        i = 0
+        while True:
+            code, names = self._code(rng)
+            old = rng.choice(names)
+            new = old + "_" + rng.choice(_IDENTIFIERS)
+            code_tokens = _tokens_of(code, self.words_per_token)
+            user = (
+                f"Rename the function `{old}` to `{new}` everywhere in this file and return the whole "
+                f"file in one code block, otherwise unchanged.\n\n```python\n{code}```"
+            )
+            yield Session(
+                id=f"edit-{i}",
+                group="code_edit",
+                turns=[Turn(user=user, max_tokens=max(8, round(code_tokens * self.output_slack)),
+                            input_tokens_est=code_tokens + 30)],
+            )
+            i += 1
+
+    def _code(self, rng: random.Random) -> tuple[str, list[str]]:
+        lines: list[str] = []
+        names: list[str] = []
+        for f in range(self.functions):
+            a, b = rng.sample(_IDENTIFIERS, 2)
+            name = f"{rng.choice(_IDENTIFIERS)}_{rng.choice(_IDENTIFIERS)}_{f}"
+            names.append(name)
+            lines.append(f"def {name}({a}, {b}):")
+            for k in range(self.lines_per_function - 1):
+                var = rng.choice(_IDENTIFIERS)
+                lines.append(f"    {var}_{k} = {a} * {rng.randint(2, 99)} + {b} // {rng.randint(1, 9)}")
+            lines.append(f"    return {a} + {b}\n")
+        return "\n".join(lines) + "\n", names
+
+
+class TraceWorkload(_Base, tag="trace"):
+    """Replay a JSONL trace; one request per line, in file order.
+
+    Each line: a timestamp (`timestamp` seconds, or `timestamp_ms`) and either `prompt` text /
+    `messages`, or token counts (`input_tokens`|`input_length`, `output_tokens`|`output_length`).
+    Mooncake-style `hash_ids` rebuild shared prefixes: equal ids give equal text blocks.
+    """
+
+    path: str = ""
+    default_output_tokens: int = 128
+    hash_block_tokens: int = 64
+    loop: bool = False  # start again at the top when the file is exhausted
+
+    def sessions(self) -> Iterator[Session]:
+        rows = self._rows()
+        if not rows:
+            raise WorkloadError(f"trace {self.path!r} has no requests")
+        t0 = min(r[0] for r in rows)
+        span = max(r[0] for r in rows) - t0
+        lap = 0
+        i = 0
+        while True:
+            for ts, session in rows:
+                offset = ts - t0 + lap * (span + 1.0)
+                yield msgspec.structs.replace(session, id=f"trace-{i}", arrival_s=offset)
+                i += 1
+            if not self.loop:
+                return
+            lap += 1
+
+    def _rows(self) -> list[tuple[float, Session]]:
+        path = Path(self.path)
+        try:
+            raw_lines = path.read_bytes().splitlines()
+        except OSError as exc:
+            raise WorkloadError(f"cannot read trace {self.path!r}: {exc}") from exc
+        blocks: dict[object, str] = {}
+        block_rng = self._rng("blocks")
+        out: list[tuple[float, Session]] = []
+        for n, line in enumerate(raw_lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = msgspec.json.decode(line)
+            except msgspec.DecodeError as exc:
+                raise WorkloadError(f"{self.path}:{n}: not JSON: {exc}") from exc
+            if "timestamp_ms" in row:
+                ts = float(row["timestamp_ms"]) / 1000.0
+            else:
+                ts = float(row.get("timestamp", 0.0))
+            max_tokens = int(row.get("output_tokens") or row.get("output_length") or row.get("max_tokens")
+                             or self.default_output_tokens)
+            system = None
+            if "messages" in row:
+                msgs = row["messages"]
+                system = next((m["content"] for m in msgs if m.get("role") == "system"), None)
+                user = "\n".join(m["content"] for m in msgs if m.get("role") != "system")
+                est = _tokens_of(user + (system or ""), self.words_per_token)
+            elif "prompt" in row:
+                user = str(row["prompt"])
+                est = _tokens_of(user, self.words_per_token)
+            else:
+                n_in = int(row.get("input_tokens") or row.get("input_length") or 0)
+                if n_in <= 0:
+                    raise WorkloadError(f"{self.path}:{n}: needs prompt, messages or input_tokens")
+                parts: list[str] = []
+                used = 0
+                for h in row.get("hash_ids") or []:
+                    if h not in blocks:
+                        blocks[h] = _text(block_rng, self.hash_block_tokens, self.words_per_token)
+                    parts.append(blocks[h])
+                    used += self.hash_block_tokens
+                if used < n_in:
+                    parts.append(_text(random.Random(f"{self.seed}:row:{n}"), n_in - used, self.words_per_token))
+                user = " ".join(parts)
+                est = n_in
+            out.append((ts, Session(id="", system=system, group=str(row.get("group", "trace")),
+                                    turns=[Turn(user=user, max_tokens=max_tokens, input_tokens_est=est)])))
+        out.sort(key=lambda r: r[0])
+        return out
+
+
+Workload = SharedPrefixWorkload | AgentSessionWorkload | RandomLengthWorkload | CodeEditWorkload | TraceWorkload

@@ -1,0 +1,94 @@
+"""Typed configuration for the pricing package; the lead embeds PricingConfig as `[pricing]`.
+
+Example TOML:
+
+    [pricing.models.default.standard]
+    input = "0.50"                 # USD per 1M uncached input tokens
+    # cached_input defaults to 0.1 x input, output to 4 x input
+    [pricing.models.default.fast]
+    input = "1.00"
+    [pricing.models.demo.standard]
+    input = "0.50"
+    cached_input = "0.05"
+    output = "2.00"
+    [pricing.replicas.standard-0]
+    hourly_usd = "1.20"
+    [pricing.ledger]
+    journal_dir = "/var/lib/yieldgate/ledger"
+    store = "sqlite"               # or "redis"
+    [pricing.limits]
+    on_redis_error = "open"        # or "closed"
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Literal
+
+import msgspec
+
+# Common-practice ratios: prompt-cache hits cost a tenth of fresh input, output costs 4x input.
+CACHED_INPUT_RATIO = Decimal("0.1")
+OUTPUT_RATIO = Decimal("4")
+FAST_TIER_MULTIPLIER = Decimal("2")
+
+
+class TierPrice(msgspec.Struct, forbid_unknown_fields=True):
+    """USD per 1M tokens for one (model, tier); unset fields derive from `input`."""
+
+    input: Decimal
+    cached_input: Decimal | None = None
+    output: Decimal | None = None
+
+
+class ResolvedTierPrice(msgspec.Struct, frozen=True):
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+
+
+def _default_models() -> dict[str, dict[str, TierPrice]]:
+    standard = Decimal("0.50")
+    return {"default": {"standard": TierPrice(input=standard),
+                        "fast": TierPrice(input=standard * FAST_TIER_MULTIPLIER)}}
+
+
+class ReplicaCost(msgspec.Struct, forbid_unknown_fields=True):
+    """What one replica costs to keep running, whether busy or idle."""
+
+    hourly_usd: Decimal
+    tier: str | None = None
+    model: str | None = None
+
+
+class LedgerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    journal_dir: str = "~/.yieldgate/ledger"
+    store: Literal["sqlite", "redis"] = "sqlite"
+    sqlite_path: str = ""                 # "" = <journal_dir>/ledger.sqlite3
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "yg:ledger:"
+    flush_interval_s: float = 0.2         # how long the flusher waits to batch records
+    batch_size: int = 500                 # records per store round trip
+    compact_bytes: int = 64 * 1024 * 1024  # truncate the journal once fully flushed and this big
+    retry_backoff_s: float = 1.0          # wait between store retries while it is down
+
+
+class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "yg:"
+    # "open": admit requests when Redis is unreachable (availability over enforcement);
+    # "closed": reject them with LimiterUnavailable (enforcement over availability).
+    on_redis_error: Literal["open", "closed"] = "open"
+    # HMAC pepper for API-key hashes; the lead should fill it from env/secret file, never TOML in git.
+    key_pepper: str = "yieldgate-dev-pepper"
+    key_cache_ttl_s: float = 5.0          # revocation reaches every gateway within this time
+    reservation_ttl_s: int = 600          # a budget reservation never settled is released after this
+    rate_window_s: int = 60
+
+
+class PricingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    # models[model][tier]; the "default" model entry prices unknown model names.
+    models: dict[str, dict[str, TierPrice]] = msgspec.field(default_factory=_default_models)
+    replicas: dict[str, ReplicaCost] = msgspec.field(default_factory=dict)
+    ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)

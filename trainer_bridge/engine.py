@@ -1,0 +1,169 @@
+"""The `yieldgate` weight-transfer backend: the engine-side half, loaded inside vLLM workers.
+
+vLLM drives it through its own dev-mode endpoints (`/init_weight_transfer_engine`,
+`/start_weight_update`, `/update_weights`, `/finish_weight_update`). Each `/update_weights` call
+is one transaction: stage every parameter, verify every chunk, and only then load the weights,
+so a refused or corrupt push never reaches the live model.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+
+from trainer_bridge import wire
+from trainer_bridge.errors import PushRefused
+from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+logger = init_logger(__name__)
+
+BACKEND = "yieldgate"
+
+
+# vLLM builds these with `cls(**payload)`, so they are dataclasses rather than msgspec Structs.
+@dataclass
+class YieldgateInitInfo(WeightTransferInitInfo):
+    """Arms the receiver with the push token. Replacing an armed token needs the current one."""
+
+    token: str
+    current_token: str | None = None
+    nccl: dict[str, Any] | None = None  # NCCLWeightTransferInitInfo fields, CUDA trainers only
+
+
+@dataclass
+class YieldgateUpdateInfo(WeightTransferUpdateInfo):
+    """Parameter metadata for one transaction plus where to pull the chunk stream from."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    sender: str = ""  # "host:port" of the trainer's chunk server
+    session: str = ""  # hex nonce; binds this stream to this request
+    checksum: str = "crc32"
+    timeout_s: float = 60.0
+    transport: str = "tcp"  # "tcp" | "nccl"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("names, dtype_names and shapes must have the same length")
+
+
+class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, YieldgateUpdateInfo]):
+    init_info_cls = YieldgateInitInfo
+    update_info_cls = YieldgateUpdateInfo
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._token: str | None = None
+        self._nccl: WeightTransferEngine | None = None
+        self.updates_applied = 0
+
+    def init_transfer_engine(self, init_info: YieldgateInitInfo) -> None:
+        if not init_info.token:
+            raise PushRefused("init_info.token must be a non-empty string")
+        if self._token is not None and not hmac.compare_digest(self._token, init_info.token):
+            # Rotating to a new rollout token: only whoever holds the current one may do it.
+            if init_info.current_token is None or not hmac.compare_digest(
+                self._token, init_info.current_token
+            ):
+                raise PushRefused("engine already armed with another push token")
+        self._token = init_info.token
+        if init_info.nccl is not None:
+            self._init_nccl(init_info.nccl)
+        logger.info("yieldgate weight transfer armed")
+
+    def start_weight_update(self) -> None:
+        # Deliberately non-destructive: staging happens inside update_weights, so a session that
+        # is abandoned here costs nothing.
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        typed = self.parse_update_info(update_info)
+        self.receive_weights(typed)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: YieldgateUpdateInfo) -> None:
+        if update_info.transport == "nccl":
+            self._receive_nccl(update_info)
+            return
+        if self._token is None:
+            raise PushRefused("engine not armed: call /init_weight_transfer_engine with a token")
+        staging = StagingArea(
+            [
+                ParamLayout(n, wire.parse_dtype(d), tuple(s))
+                for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
+            ]
+        )
+        receive_update(
+            update_info.sender,
+            bytes.fromhex(update_info.session),
+            self._token,
+            staging,
+            update_info.checksum,
+            update_info.timeout_s,
+        )
+        self._load(staging.items())
+        self.updates_applied += 1
+        logger.info(
+            "yieldgate: loaded %d tensors (%.1f MB) after verifying every chunk",
+            len(staging.layout),
+            staging.total_bytes / 1e6,
+        )
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self._nccl is not None:
+            self._nccl.shutdown()
+            self._nccl = None
+
+    def _load(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        # The layerwise-reload lifecycle is what vLLM's own reload uses: it re-runs any
+        # post-load processing (quantization, repacking) so checkpoint-format tensors are safe.
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        device_items = ((n, t.to(self.device, non_blocking=True)) for n, t in items)
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(device_items)
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    # --- CUDA only: tensors that already live on GPUs travel by NCCL, not TCP. Untested here.
+    def _init_nccl(self, fields: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self._nccl = NCCLWeightTransferEngine(self.config, self.vllm_config, self.device, self.model)
+        self._nccl.init_transfer_engine(self._nccl.parse_init_info(fields))
+
+    def _receive_nccl(self, update_info: YieldgateUpdateInfo) -> None:
+        if self._nccl is None:
+            raise RuntimeError("NCCL transport requested but init_info carried no nccl fields")
+        self._nccl.start_weight_update()
+        self._nccl.update_weights(
+            {"names": update_info.names, "dtype_names": update_info.dtype_names, "shapes": update_info.shapes}
+        )
+        self._nccl.finish_weight_update()

@@ -1,0 +1,131 @@
+"""Engine side of the data plane: stage a whole update into pre-allocated buffers, verify it.
+
+Nothing here touches the live model. The engine only loads the staged tensors after every chunk
+has arrived, authenticated and checksummed, so a corrupt or unauthenticated push leaves the
+served weights exactly as they were.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from trainer_bridge import wire
+from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class StagingArea:
+    """One pre-allocated buffer per parameter, sized from the metadata exchanged at update time."""
+
+    def __init__(self, layout: list[ParamLayout]) -> None:
+        self.layout = layout
+        self.tensors = [torch.empty(p.shape, dtype=p.dtype) for p in layout]
+        self.views = [wire.byte_view(t) for t in self.tensors]
+        self.filled = [0] * len(layout)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(len(v) for v in self.views)
+
+    def slot(self, param: int, offset: int, length: int) -> memoryview:
+        """The buffer slice a chunk writes into; chunks of one parameter must arrive in order,
+        which makes "every byte covered exactly once" a counter check."""
+        if param >= len(self.views):
+            raise TransferError(f"chunk for unknown parameter index {param}")
+        view = self.views[param]
+        if offset != self.filled[param] or offset + length > len(view):
+            raise TransferError(
+                f"chunk {self.layout[param].name}@{offset}+{length} out of sequence "
+                f"(have {self.filled[param]} of {len(view)} bytes)"
+            )
+        self.filled[param] += length
+        return view[offset : offset + length]
+
+    def missing(self) -> list[str]:
+        return [p.name for p, v, f in zip(self.layout, self.views, self.filled) if f != len(v)]
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return [(p.name, t) for p, t in zip(self.layout, self.tensors)]
+
+
+class _Verifier(threading.Thread):
+    """Checksums chunk k while the socket receives chunk k+1 (both release the GIL)."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__(name="yieldgate-verify", daemon=True)
+        self.checksum = wire.CHECKSUMS[algorithm]
+        self.jobs: queue.SimpleQueue[tuple[str, memoryview, int] | None] = queue.SimpleQueue()
+        self.error: ChecksumMismatch | None = None
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            name, view, expected = job
+            if self.error is None and self.checksum(view) != expected:
+                self.error = ChecksumMismatch(f"checksum mismatch in a chunk of {name}")
+
+
+def receive_update(
+    sender: str,
+    session: bytes,
+    token: str,
+    staging: StagingArea,
+    checksum: str,
+    timeout_s: float,
+) -> None:
+    """Connect to the trainer's sender, stream every chunk into `staging`, verify all of it.
+
+    Raises PushRefused / ChecksumMismatch / TransferError; on success `staging` is complete.
+    """
+    if checksum not in wire.CHECKSUMS:
+        raise TransferError(f"unsupported checksum {checksum!r}")
+    host, _, port = sender.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    verifier = _Verifier(checksum)
+    verifier.start()
+    try:
+        sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, session))
+        header = memoryview(bytearray(wire.CHUNK_HEADER.size))
+        while True:
+            wire.recv_exact(sock, header)
+            param, offset, length, expected, authentic = wire.unpack_chunk_header(
+                token, session, bytes(header)
+            )
+            if not authentic:
+                raise PushRefused("chunk without a valid push token")
+            if param == wire.END_PARAM:
+                if offset != staging.total_bytes:
+                    raise TransferError(f"sender sent {offset} bytes, expected {staging.total_bytes}")
+                break
+            slot = staging.slot(param, offset, length)
+            wire.recv_exact(sock, slot)
+            verifier.jobs.put((staging.layout[param].name, slot, expected))
+            if verifier.error is not None:
+                raise verifier.error
+        verifier.jobs.put(None)
+        verifier.join()
+        if verifier.error is not None:
+            raise verifier.error
+        if missing := staging.missing():
+            raise TransferError(f"{len(missing)} parameter(s) incomplete, e.g. {missing[0]}")
+        wire.send_status(sock, True)
+    except Exception as exc:
+        try:
+            wire.send_status(sock, False, f"{type(exc).__name__}: {exc}")
+        except OSError:
+            pass
+        raise
+    finally:
+        verifier.jobs.put(None)
+        sock.close()

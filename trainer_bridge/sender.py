@@ -1,0 +1,233 @@
+"""Trainer side of the data plane: serialize each chunk once, stream it to every engine.
+
+Three stages overlap: a producer thread materializes tensors (device/dtype conversion) and
+checksums fixed-size chunks; one writer thread per engine sends them; the engines receive
+straight into staging buffers and verify. Each writer's queue holds two chunks (double
+buffering), so sender memory is bounded by the chunk size, not the model size.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trainer_bridge import wire
+from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
+from trainer_bridge.weights import WeightSet
+
+_QUEUE_DEPTH = 2
+_SOCK_BUF = 8 << 20
+
+
+@dataclass
+class StreamTarget:
+    """One engine receiving the stream. `corrupt_chunk` flips a byte in that chunk (tests)."""
+
+    token: str
+    session: bytes = field(default_factory=lambda: os.urandom(wire.SESSION_BYTES))
+    corrupt_chunk: int | None = None
+    bytes_sent: int = 0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    _queue: queue.Queue = field(default_factory=lambda: queue.Queue(_QUEUE_DEPTH))
+    _conn: socket.socket | None = None
+    _connected: threading.Event = field(default_factory=threading.Event)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.done.set()
+        self._connected.set()
+
+
+def _classify(reason: str) -> Exception:
+    if reason.startswith("PushRefused"):
+        return PushRefused(reason)
+    if reason.startswith("ChecksumMismatch"):
+        return ChecksumMismatch(reason)
+    return TransferError(reason)
+
+
+class ChunkSender:
+    """A listening chunk server; engines dial `address` and identify by their session nonce."""
+
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
+        checksum: str = "crc32",
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.checksum = checksum
+        self.connect_timeout_s = connect_timeout_s
+        self._listener = socket.create_server((bind_host, 0))
+        self._listener.settimeout(0.2)
+        self.address = f"{advertise_host or bind_host}:{self._listener.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def __enter__(self) -> ChunkSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update_info(self, weights: WeightSet, target: StreamTarget, timeout_s: float) -> dict:
+        return {
+            **weights.metadata(),
+            "sender": self.address,
+            "session": target.session.hex(),
+            "checksum": self.checksum,
+            "timeout_s": timeout_s,
+        }
+
+    def stream(
+        self,
+        weights: WeightSet,
+        targets: list[StreamTarget],
+        on_progress: Callable[[int], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Send `weights` to every target; per-target failures land in `target.error`.
+
+        Returns when every target finished (status received) or failed. `stop` is set by the
+        caller when the control plane gave up on every engine (e.g. all HTTP calls failed).
+        """
+        stop = stop or threading.Event()
+        by_session = {t.session: t for t in targets}
+        acceptor = threading.Thread(target=self._accept, args=(by_session, stop), daemon=True)
+        writers = [
+            threading.Thread(target=self._write, args=(t, on_progress), daemon=True) for t in targets
+        ]
+        acceptor.start()
+        for w in writers:
+            w.start()
+        try:
+            self._produce(weights, targets)
+        finally:
+            for w in writers:
+                w.join()
+            stop.set()
+            acceptor.join()
+
+    def _accept(self, by_session: dict[bytes, StreamTarget], stop: threading.Event) -> None:
+        import time
+
+        deadline = time.monotonic() + self.connect_timeout_s
+        pending = dict(by_session)
+        while pending and not stop.is_set():
+            for s, t in list(pending.items()):
+                if t.done.is_set():
+                    pending.pop(s)
+            if time.monotonic() > deadline:
+                for t in pending.values():
+                    t.fail(TransferError("engine never connected to the chunk server"))
+                return
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            try:
+                conn.settimeout(self.connect_timeout_s)
+                magic, session = wire.HELLO.unpack(wire.recv_bytes(conn, wire.HELLO.size))
+            except (OSError, TransferError, ValueError):
+                conn.close()
+                continue
+            target = pending.pop(session, None)
+            if magic != wire.HELLO_MAGIC or target is None:
+                conn.close()  # a stranger, or a replayed session: not ours to feed
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
+            target._conn = conn
+            target._connected.set()
+
+    def _produce(self, weights: WeightSet, targets: list[StreamTarget]) -> None:
+        checksum = wire.CHECKSUMS[self.checksum]
+        seq = 0
+        total = 0
+        for index, entry in enumerate(weights.entries):
+            if all(t.done.is_set() for t in targets):
+                return
+            tensor = entry.materialize()
+            view = wire.byte_view(tensor)
+            for offset in range(0, max(len(view), 1), self.chunk_bytes):
+                payload = view[offset : offset + self.chunk_bytes]
+                if len(payload) == 0:
+                    continue
+                item = (index, offset, payload, checksum(payload), seq)
+                for t in targets:
+                    self._put(t, item)
+                seq += 1
+            total += len(view)
+            del tensor
+        for t in targets:
+            self._put(t, (wire.END_PARAM, total, memoryview(b""), 0, seq))
+            self._put(t, None)
+
+    @staticmethod
+    def _put(target: StreamTarget, item: object) -> None:
+        while not target.done.is_set():
+            try:
+                target._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _write(self, target: StreamTarget, on_progress: Callable[[int], None] | None) -> None:
+        try:
+            target._connected.wait()
+            if target.done.is_set() or target._conn is None:
+                return
+            conn = target._conn
+            while (item := target._queue.get()) is not None:
+                param, offset, payload, crc, seq = item
+                header = wire.pack_chunk_header(
+                    target.token, target.session, param, offset, len(payload), crc
+                )
+                if seq == target.corrupt_chunk and len(payload):
+                    bad = bytearray(payload)
+                    bad[len(bad) // 2] ^= 0xFF  # flipped after the checksum was taken
+                    payload = memoryview(bad)
+                conn.sendall(header)
+                if len(payload):
+                    conn.sendall(payload)
+                    target.bytes_sent += len(payload)
+                    if on_progress is not None:
+                        on_progress(len(payload))
+            ok, reason = wire.recv_status(conn)
+            if not ok:
+                target.fail(_classify(reason))
+        except OSError as exc:
+            # The engine hung up mid-stream; it usually left a status saying why.
+            reason = _try_status(target._conn)
+            target.fail(_classify(reason) if reason else TransferError(f"stream broke: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - recorded for the caller, never lost
+            target.fail(exc)
+        finally:
+            target.done.set()
+            if target._conn is not None:
+                target._conn.close()
+            while True:  # unblock the producer if it is waiting on this queue
+                try:
+                    target._queue.get_nowait()
+                except queue.Empty:
+                    break
+
+
+def _try_status(conn: socket.socket | None) -> str:
+    if conn is None:
+        return ""
+    try:
+        conn.settimeout(2.0)
+        ok, reason = wire.recv_status(conn)
+        return "" if ok else reason
+    except (OSError, TransferError):
+        return ""
