@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import msgspec
 
-from serving.config import FleetConfig, demo_fleet
+from serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
 
 ENV_PREFIX = "YIELDGATE_"
 
@@ -42,7 +42,7 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
-    fleet: FleetConfig = msgspec.field(default_factory=demo_fleet)
+    fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     pricing: dict[str, Any] = {}       # decoded by pricing.PricingConfig
 
 
@@ -74,7 +74,3 @@ def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> None:
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = value
-
-
-def home_dir() -> Path:
-    return Path(os.environ.get("YIELDGATE_HOME") or Path.home() / ".cache" / "yieldgate")

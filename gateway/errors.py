@@ -96,6 +96,11 @@ def param_from_msgspec(message: str) -> str | None:
     """msgspec says '... - at `$.messages[0].role`'; OpenAI's param is 'messages[0].role'."""
     marker = "at `$."
     i = message.rfind(marker)
-    if i < 0:
-        return None
-    return message[i + len(marker):].rstrip("`")
+    if i >= 0:
+        return message[i + len(marker):].rstrip("`")
+    # "Object missing required field `messages`" (at the top level, msgspec names no path)
+    missing = "missing required field `"
+    i = message.find(missing)
+    if i >= 0:
+        return message[i + len(missing):].split("`", 1)[0]
+    return None

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import msgspec
 
 TIERS = ("standard", "fast")
+
+
+def home_dir() -> Path:
+    """Where yieldgate keeps generated models, engine logs and the ledger ($YIELDGATE_HOME)."""
+    return Path(os.environ.get("YIELDGATE_HOME") or Path.home() / ".cache" / "yieldgate")
 
 
 class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -53,11 +61,19 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     block_size: int = 32          # KV block size in tokens (a multiple of 32 on CPU)
     tiers: dict[str, TierConfig] = {}
     replicas: list[ReplicaConfig] = []
+    # With no replicas listed, the fleet is the demo fleet: two launched engines on these ports.
+    demo_base_port: int = 8101
+    demo_kv_base_port: int = 5557
+    demo_engine_args: list[str] = []
     health_interval_s: float = 2.0
     scrape_interval_s: float = 2.0
     log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
 
     def __post_init__(self) -> None:
+        if not self.replicas:
+            self.replicas = demo_replicas(self.demo_base_port, self.demo_kv_base_port, self.demo_engine_args)
+        if not self.tiers:
+            self.tiers = {t: TierConfig() for t in sorted({r.tier for r in self.replicas})}
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("replica names must be unique")
@@ -85,30 +101,27 @@ _SPEC_DECODE = (
 )
 
 
-def demo_fleet(base_port: int = 8101, kv_base_port: int = 5557, extra_args: list[str] | None = None) -> FleetConfig:
+def demo_replicas(base_port: int, kv_base_port: int, extra_args: list[str]) -> list[ReplicaConfig]:
     """One standard and one fast engine, each pinned to its own core of a 2-core machine."""
-    extra = list(extra_args or [])
-    return FleetConfig(
-        tiers={"standard": TierConfig(policy="cache_aware"), "fast": TierConfig(policy="cache_aware")},
-        replicas=[
-            ReplicaConfig(
-                name="standard-0",
-                tier="standard",
-                cost_per_hour="0.40",
-                launch=LaunchSpec(
-                    port=base_port, cpus="0", kv_events_port=kv_base_port, args=_COMMON_ARGS + extra
-                ),
+    extra = list(extra_args)
+    return [
+        ReplicaConfig(
+            name="standard-0",
+            tier="standard",
+            cost_per_hour="0.40",
+            launch=LaunchSpec(
+                port=base_port, cpus="0", kv_events_port=kv_base_port, args=_COMMON_ARGS + extra
             ),
-            ReplicaConfig(
-                name="fast-0",
-                tier="fast",
-                cost_per_hour="0.60",
-                launch=LaunchSpec(
-                    port=base_port + 1,
-                    cpus="1",
-                    kv_events_port=kv_base_port + 1,
-                    args=_COMMON_ARGS + ["--speculative-config", _SPEC_DECODE] + extra,
-                ),
+        ),
+        ReplicaConfig(
+            name="fast-0",
+            tier="fast",
+            cost_per_hour="0.60",
+            launch=LaunchSpec(
+                port=base_port + 1,
+                cpus="1",
+                kv_events_port=kv_base_port + 1,
+                args=_COMMON_ARGS + ["--speculative-config", _SPEC_DECODE] + extra,
             ),
-        ],
-    )
+        ),
+    ]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .config import home_dir
+
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 IM_START = "<|im_start|>"
@@ -62,8 +64,7 @@ class DemoModelSpec:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("YIELDGATE_HOME") or os.path.join(Path.home(), ".cache", "yieldgate")
-    return Path(base) / "models"
+    return home_dir() / "models"
 
 
 def ensure_demo_model(cache_dir: Path | None = None, spec: DemoModelSpec = DemoModelSpec()) -> Path:

@@ -1,0 +1,201 @@
+"""Session fixtures: the real demo stack (two vLLM engines + the gateway), started once.
+
+`yieldgate up` runs as a child process with a test config (its own ports), exactly as a user runs
+it. Set YIELDGATE_TEST_GATEWAY=http://host:port to reuse a stack that is already running (dev loop).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GATEWAY_PORT = 18000
+ENGINE_BASE_PORT = 18101
+KV_BASE_PORT = 15557
+STARTUP_TIMEOUT_S = 900
+
+
+@dataclass
+class Stack:
+    gateway_url: str
+    engines: dict[str, str]
+    model: str
+    model_dir: Path
+    kv_events_endpoint: str
+    admin_token: str
+    process: subprocess.Popen | None = None
+    home: Path | None = None
+    config_path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway_url + "/v1"
+
+
+def _get(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def stack_config(admin_token: str, redis_url: str) -> str:
+    return f"""
+[server]
+host = "127.0.0.1"
+port = {GATEWAY_PORT}
+admin_token = "{admin_token}"
+redis_url = "{redis_url}"
+
+[fleet]
+model = "demo"
+block_size = 32
+demo_base_port = {ENGINE_BASE_PORT}
+demo_kv_base_port = {KV_BASE_PORT}
+"""
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return "redis://127.0.0.1:6379/15"
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, redis_url) -> Stack:
+    from serving.demo_model import ensure_demo_model
+
+    reuse = os.environ.get("YIELDGATE_TEST_GATEWAY")
+    if reuse:
+        yield Stack(
+            gateway_url=reuse.rstrip("/"),
+            engines={"standard": os.environ.get("YIELDGATE_TEST_STANDARD", "http://127.0.0.1:8101"),
+                     "fast": os.environ.get("YIELDGATE_TEST_FAST", "http://127.0.0.1:8102")},
+            model="demo", model_dir=ensure_demo_model(),
+            kv_events_endpoint=os.environ.get("YIELDGATE_TEST_KV", "tcp://127.0.0.1:5557"),
+            admin_token=os.environ.get("YIELDGATE_TEST_ADMIN_TOKEN", ""),
+        )
+        return
+
+    home = tmp_path_factory.mktemp("yieldgate-home")
+    # The generated model is shared across runs; engine logs and ledger stay in the temp home.
+    model_dir = ensure_demo_model()
+    admin_token = "test-admin-" + secrets.token_hex(8)
+    config_path = home / "yieldgate.toml"
+    config_path.write_text(stack_config(admin_token, redis_url))
+    env = dict(os.environ, YIELDGATE_HOME=str(home), PYTHONUNBUFFERED="1")
+    env["YIELDGATE_FLEET__MODEL_PATH"] = str(model_dir)
+    log_path = home / "up.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    gateway_url = f"http://127.0.0.1:{GATEWAY_PORT}"
+    started = time.monotonic()
+    while _get(gateway_url + "/healthz") != 200:
+        if proc.poll() is not None:
+            pytest.fail(f"yieldgate up exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if time.monotonic() - started > STARTUP_TIMEOUT_S:
+            proc.kill()
+            pytest.fail(f"stack not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+        time.sleep(2)
+    print(f"\n[stack] up in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    stack = Stack(
+        gateway_url=gateway_url,
+        engines={"standard": f"http://127.0.0.1:{ENGINE_BASE_PORT}",
+                 "fast": f"http://127.0.0.1:{ENGINE_BASE_PORT + 1}"},
+        model="demo", model_dir=model_dir,
+        kv_events_endpoint=f"tcp://127.0.0.1:{KV_BASE_PORT}",
+        admin_token=admin_token, process=proc, home=home, config_path=config_path,
+        extra={"log_path": log_path, "started_s": time.monotonic() - started},
+    )
+    try:
+        yield stack
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    import openai
+
+    return openai.OpenAI(base_url=stack.base_url, api_key=stack.extra.get("api_key", "unused"),
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client(stack):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=stack.base_url, api_key=stack.extra.get("api_key", "unused"),
+                              max_retries=0, timeout=120)
+
+
+class InProcessGateway:
+    """A second gateway (uvicorn in a thread) with its own config, for fault and multi-gateway tests."""
+
+    def __init__(self, config):
+        import socket
+        import threading
+
+        import uvicorn
+
+        from gateway.app import create_app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config.server.port = self.port
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("in-process gateway did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gateway(self):
+        return self.app.state.gateway
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+@pytest.fixture
+def gateway_factory():
+    started: list[InProcessGateway] = []
+
+    def make(config) -> InProcessGateway:
+        gw = InProcessGateway(config)
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        gw.stop()

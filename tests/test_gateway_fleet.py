@@ -1,0 +1,74 @@
+"""Fleet behaviour seen through a gateway: unhealthy tiers, retries, configuration."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import msgspec
+import pytest
+
+from gateway.app import InsecureConfig, create_app
+from gateway.config import Config, ConfigError, load_config
+from serving.config import FleetConfig, ReplicaConfig
+
+
+def dead_url() -> str:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def fleet_config(stack, standard: list[str], fast: list[str]) -> Config:
+    replicas = [ReplicaConfig(name=f"std-{i}", tier="standard", url=u) for i, u in enumerate(standard)]
+    replicas += [ReplicaConfig(name=f"fast-{i}", tier="fast", url=u) for i, u in enumerate(fast)]
+    return Config(fleet=FleetConfig(model=stack.model, replicas=replicas, health_interval_s=0.5))
+
+
+def test_tier_without_healthy_replica_is_503(stack, gateway_factory):
+    gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()]))
+    resp = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo:fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "no_healthy_replica"
+    ok = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_request_to_a_dead_replica_is_retried_on_another(stack, gateway_factory):
+    # Both replicas look healthy at first: the dead one is only found out by a request.
+    gw = gateway_factory(fleet_config(stack, [dead_url(), stack.engines["standard"]], []))
+    for r in gw.gateway.fleet.replicas.values():
+        r.healthy = True
+    results = [httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
+        "model": "demo", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 2})
+        for i in range(4)]
+    assert [r.status_code for r in results] == [200] * 4
+    assert {r.headers["x-yieldgate-replica"] for r in results} == {"std-1"}
+    assert not gw.gateway.fleet.replicas["std-0"].healthy
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'yieldgate_upstream_retries_total{tier="standard"}' in metrics
+
+
+def test_env_overrides_and_demo_fleet_default(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 9100\n[fleet]\nmodel = "m"\ndemo_base_port = 9200\n')
+    config = load_config(path, env={"YIELDGATE_SERVER__PORT": "9300", "YIELDGATE_LIMITS__MAX_TOKENS": "7"})
+    assert config.server.port == 9300 and config.limits.max_tokens == 7
+    assert [r.name for r in config.fleet.replicas] == ["standard-0", "fast-0"]
+    assert config.fleet.replicas[0].base_url == "http://127.0.0.1:9200"
+    assert "--speculative-config" in config.fleet.replicas[1].launch.args
+    with pytest.raises(ConfigError):
+        load_config(path, env={"YIELDGATE_SERVER__PORT": "not-a-port"})
+    path.write_text('[server]\nbogus = 1\n')
+    with pytest.raises(ConfigError):
+        load_config(path, env={})
+
+
+def test_public_bind_without_credentials_refuses_to_start():
+    config = msgspec.convert({"server": {"host": "0.0.0.0"}}, Config)
+    with pytest.raises(InsecureConfig):
+        create_app(config)
+    config.server.allow_insecure_public = True
+    create_app(config)
