@@ -69,7 +69,13 @@ class Accounting:
     def __init__(self, metrics: GatewayMetrics):
         self.metrics = metrics
 
-    def admit(self, ctx: RequestContext) -> None:
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def admit(self, ctx: RequestContext) -> None:
         """Budget and rate-limit checks before the request reaches an engine."""
 
     def finish(self, ctx: RequestContext, usage: Usage | None, status: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from serving.fleet import Fleet
 
 from .accounting import Accounting
+from .admin import build_admin_router
 from .config import Config
 from .errors import APIError, AuthenticationError, error_response
 from .metrics import GatewayMetrics
@@ -59,12 +60,14 @@ class Gateway:
 
     async def start(self) -> None:
         await self.fleet.start()
+        await self.accounting.start()
         await self.routing.start()
         await self.proxy.start()
 
     async def close(self) -> None:
         await self.proxy.close()
         await self.routing.close()
+        await self.accounting.close()
         await self.fleet.close()
 
     def require_admin(self, request: Request) -> None:
@@ -136,6 +139,8 @@ def create_app(config: Config) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, "Internal gateway error.", "server_error", code="internal_error")
+
+    app.include_router(build_admin_router(gw))
 
     @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]))
     async def chat_completions(request: Request) -> Response:

@@ -49,7 +49,9 @@ class Proxy:
 
     async def start(self) -> None:
         limits = self.config.limits
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, enable_cleanup_closed=True)
+        # vLLM's uvicorn closes idle keep-alive connections after 5 s; drop ours before that so a
+        # request never lands on a connection the engine is closing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4, enable_cleanup_closed=True)
         self.session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -117,7 +119,7 @@ class Proxy:
             key=getattr(request.state, "api_key", None),
             max_tokens=typed.output_limit,
         )
-        self.accounting.admit(ctx)
+        await self.accounting.admit(ctx)
         raw["model"] = model
         want_usage = bool(typed.stream_options and typed.stream_options.include_usage)
         if typed.stream:
@@ -137,12 +139,13 @@ class Proxy:
             raise
 
     async def _open(self, ctx: RequestContext, typed: Any, payload: bytes) -> tuple[Replica, aiohttp.ClientResponse]:
-        """Send to the routed replica; on a connection failure, once more to another replica."""
+        """Send to the routed replica; if that fails before any answer, once more (elsewhere if possible)."""
         assert self.session is not None
-        excluded: set[str] = set()
+        failed: set[str] = set()
         last_exc: BaseException | None = None
         for attempt in range(2):
-            candidates = [r for r in self.fleet.candidates(ctx.tier) if r.name not in excluded]
+            routable = self.fleet.candidates(ctx.tier)
+            candidates = [r for r in routable if r.name not in failed] or routable
             if not candidates:
                 break
             decision = self.routing.pick(ctx, typed, candidates)
@@ -157,11 +160,13 @@ class Proxy:
             except _RETRYABLE as exc:
                 replica.inflight -= 1
                 last_exc = exc
-                excluded.add(replica.name)
-                self.fleet.set_health(replica, False)
+                failed.add(replica.name)
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    # Nothing listens there: take it out of routing until the health check sees it.
+                    self.fleet.set_health(replica, False)
                 if attempt == 0:
                     self.accounting.metrics.retries.labels(ctx.tier).inc()
-                log.warning("replica %s failed before answering (%s); retrying elsewhere",
+                log.warning("replica %s failed before answering (%s); retrying",
                             replica.name, type(exc).__name__)
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
@@ -174,7 +179,6 @@ class Proxy:
                 data = await resp.read()
                 break
             except _RETRYABLE:
-                self.fleet.set_health(replica, False)
                 if attempt == 1:
                     raise UpstreamError("Upstream replica failed while answering.") from None
             finally:
