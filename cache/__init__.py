@@ -1,6 +1,27 @@
-"""Cache-aware routing: tokens, block hashes, prefix index, routing policies."""
+"""Cache-aware routing: tokens, block hashes, prefix index, routing policies.
 
+Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
+``router.pick(RouteRequest(...), replicas)``, send, ``router.observe(decision)``.
+"""
+
+from cache.blocks import BlockHash, BlockHashConfig, BlockHasher
 from cache.chat_template import ChatTemplate, ChatTemplateError
+from cache.kv_events import (
+    AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
+    KVEventSubscriberConfig, decode_batch,
+)
+from cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
+from cache.routing import (
+    POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
+)
+from cache.scorers import Candidate, RouteRequest, load_of, rendezvous
 from cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "NotConvertible", "Tokenizer", "build_tiktoken_encoding"]
+__all__ = [
+    "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
+    "Candidate", "ChatTemplate", "ChatTemplateError", "IndexStats", "KVEventBatch", "KVEventSubscriber",
+    "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
+    "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
+    "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
+    "rendezvous",
+]

@@ -1,34 +1,119 @@
-"""Per-tier routing: the gateway's adapter to the policies in `cache`."""
+"""Per-tier routing: the gateway's adapter to the policies, tokenizer and prefix index in `cache`.
+
+One prefix index for the whole fleet (shared with other gateways through Redis when reachable), one
+`cache.Router` per tier with the tier's policy, one KV-event subscriber per engine that publishes.
+The prompt is tokenized only when the tier's policy needs tokens.
+"""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
+import logging
+from pathlib import Path
 from typing import Any, Sequence
 
+import redis.asyncio as aioredis
+
+from cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
+                   Router, SharedPrefixIndex, Tokenizer)
 from serving.fleet import Fleet, Replica
 
+from .accounting import RequestContext
+from .config import Config
 
-@dataclass(slots=True)
-class Decision:
-    replica: Replica
-    predicted_cached_tokens: int = 0
+log = logging.getLogger("yieldgate.routing")
 
 
 class Routing:
-    def __init__(self, fleet: Fleet):
+    def __init__(self, config: Config, fleet: Fleet):
+        self.config = config
         self.fleet = fleet
-        self._counter = itertools.count()
-
-    def pick(self, ctx: Any, typed: Any, candidates: Sequence[Replica]) -> Decision:
-        # Fewest in-flight requests; ties broken round-robin.
-        n = next(self._counter)
-        best = min(range(len(candidates)),
-                   key=lambda i: (candidates[i].inflight, (i - n) % len(candidates)))
-        return Decision(candidates[best])
+        self.index: PrefixIndex | SharedPrefixIndex = PrefixIndex()
+        self.routers: dict[str, Router] = {}
+        self.tokenizer: Tokenizer | None = None
+        self.subscribers: list[KVEventSubscriber] = []
+        self._redis: aioredis.Redis | None = None
 
     async def start(self) -> None:
-        pass
+        fleet_cfg = self.config.fleet
+        self.index = await self._open_index()
+        self.routers = {tier: Router(fleet_cfg.tier(tier).policy, self.index, block_size=fleet_cfg.block_size)
+                        for tier in self.fleet.tiers()}
+        if any(r.needs_tokens for r in self.routers.values()):
+            self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
+        for replica in self.fleet.replicas.values():
+            endpoint = replica.config.kv_events
+            if endpoint:
+                sub = KVEventSubscriber(replica.name, endpoint, self.index)
+                sub.start()
+                self.subscribers.append(sub)
+
+    async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
+        url = self.config.server.redis_url
+        if not url:
+            return PrefixIndex()
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            await client.ping()
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("Redis at %s unreachable (%s): prefix index stays local to this gateway",
+                        url, type(exc).__name__)
+            await client.aclose()
+            return PrefixIndex()
+        self._redis = client
+        index = SharedPrefixIndex(client, PrefixIndexConfig(redis_key_prefix=f"yg:prefix:{self.config.fleet.model}"))
+        await index.start()
+        return index
+
+    @staticmethod
+    def _load_tokenizer(model_path: str) -> Tokenizer | None:
+        if not model_path or not (Path(model_path) / "tokenizer.json").exists():
+            log.warning("no tokenizer (fleet.model_path=%r): cache-aware routing sees no prefixes", model_path)
+            return None
+        return Tokenizer.from_model_dir(model_path)
 
     async def close(self) -> None:
-        pass
+        for sub in self.subscribers:
+            await sub.stop()
+        if isinstance(self.index, SharedPrefixIndex):
+            await self.index.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    def prepare(self, ctx: RequestContext, raw: dict[str, Any]) -> RouteRequest:
+        """What the policy keys on; tokenizes only if the tier's policy needs tokens."""
+        request = RouteRequest(session_id=ctx.session_id or None)
+        router = self.routers.get(ctx.tier)
+        if router is not None and router.needs_tokens and self.tokenizer is not None:
+            tokens = self._tokenize(ctx.kind, raw)
+            ctx.prompt_tokens = tokens
+            request.token_ids = tokens
+        return request
+
+    def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
+        assert self.tokenizer is not None
+        try:
+            if kind == "chat":
+                return self.tokenizer.encode_chat(raw["messages"], raw.get("tools"))
+            prompt = raw["prompt"]
+            if isinstance(prompt, list) and prompt:
+                prompt = prompt[0]  # a batch routes on its first prompt
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except Exception as exc:  # the engine validates the request; routing just loses its hint
+            log.debug("could not tokenize for routing: %s", type(exc).__name__)
+        return None
+
+    def pick(self, ctx: RequestContext, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
+        return self.routers[ctx.tier].pick(request, candidates)
+
+    def observe(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        """The engine accepted the request: it will hold these blocks after prefill."""
+        router = self.routers.get(ctx.tier)
+        if router is not None and decision.block_hashes:
+            router.observe(decision)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.index.stats()
+        return {"replicas": s.replicas, "capacity": s.capacity, "total_blocks": s.total_blocks}

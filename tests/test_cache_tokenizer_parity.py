@@ -153,8 +153,11 @@ async def test_hf_fallback_matches_engine_tokenize(engine_url: str, model_dir: P
     assert got == expected
 
 
-def test_non_byte_level_tokenizer_falls_back_to_hf(tmp_path: Path, model_dir: Path) -> None:
+def test_non_byte_level_tokenizer_falls_back_to_hf(tmp_path: Path) -> None:
     import json
+
+    from serving.demo_model import ensure_demo_model
+    model_dir = Path(ensure_demo_model())
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     spec["normalizer"] = {"type": "Lowercase"}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))

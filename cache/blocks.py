@@ -1,0 +1,89 @@
+"""Prefix block hashes computed exactly as the vLLM engine computes them.
+
+vLLM (v1/core/kv_cache_utils.py) hashes each *full* block of ``block_size``
+tokens, chained: ``h_i = H((h_{i-1}, tuple(block_tokens), extra_keys))`` with
+``h_{-1} = NONE_HASH = H(seed)``. ``H`` is ``--prefix-caching-hash-algo``:
+``sha256`` (default; SHA-256 of ``pickle.dumps(obj, HIGHEST_PROTOCOL)``) or
+``sha256_cbor`` (SHA-256 of canonical CBOR). The seed is ``PYTHONHASHSEED`` when
+set in the engine's environment, else "vllm-none-hash" (for the sha256 family).
+``extra_keys`` is None for plain text requests (no LoRA, multimodal, cache_salt).
+
+KV events carry *external* hashes: with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``
+(the default) the low 64 bits of the digest as an int, else the raw digest bytes.
+``BlockHasher`` returns the same external form so event hashes and gateway hashes
+compare equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+BlockHash = int | bytes
+HashAlgo = Literal["sha256", "sha256_cbor"]
+ExternalFormat = Literal["int64", "bytes"]
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+_LOW64 = (1 << 64) - 1
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    import cbor2  # a vLLM dependency; only needed for this algorithm
+
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+_ALGOS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+
+
+class BlockHashConfig(msgspec.Struct, frozen=True):
+    """Must mirror the engine's flags: --block-size, --prefix-caching-hash-algo,
+    its PYTHONHASHSEED and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES."""
+
+    block_size: int = 32
+    hash_algo: HashAlgo = "sha256"
+    # Engine's PYTHONHASHSEED; None = unset on the engine (vLLM then uses "vllm-none-hash").
+    hash_seed: str | None = "0"
+    external_format: ExternalFormat = "int64"
+
+
+class BlockHasher:
+    """Token ids -> chained external block hashes of every full block."""
+
+    def __init__(self, config: BlockHashConfig = BlockHashConfig()) -> None:
+        if config.hash_algo not in _ALGOS:
+            raise ValueError(f"unsupported prefix caching hash algo {config.hash_algo!r}")
+        self.config = config
+        self.block_size = config.block_size
+        self._hash = _ALGOS[config.hash_algo]
+        seed = config.hash_seed if config.hash_seed is not None else DEFAULT_NONE_HASH_SEED
+        self.none_hash: bytes = self._hash(seed)
+        self._as_int = config.external_format == "int64"
+
+    def digests(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Full internal digests, one per full block (the chain the engine keeps)."""
+        out: list[bytes] = []
+        parent = self.none_hash
+        bs = self.block_size
+        h = self._hash
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = h((parent, tuple(token_ids[start:start + bs]), None))
+            out.append(parent)
+        return out
+
+    def external(self, digest: bytes) -> BlockHash:
+        return int.from_bytes(digest, "big") & _LOW64 if self._as_int else digest
+
+    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """External hashes (what BlockStored.block_hashes carries) for each full block."""
+        if self._as_int:
+            return [int.from_bytes(d, "big") & _LOW64 for d in self.digests(token_ids)]
+        return list(self.digests(token_ids))

@@ -1,0 +1,160 @@
+"""Routing policies: which replica serves a request.
+
+Policies (``Router(policy_name, ...)``), each a pipeline of cache.scorers parts:
+
+- ``round_robin``: rotate over replicas.
+- ``least_loaded``: lowest ``load = max(gateway in-flight, running + waiting)``.
+- ``session``: sticky by session id (request ``user`` or ``x-session-id``) with
+  rendezvous hashing; requests without a session go least-loaded.
+- ``cache_aware``: NVIDIA Dynamo's KV-router cost, lowest wins::
+
+      cost(r) = overlap_weight * (B + 1 - cached_blocks(r)) + queued_request_blocks * load(r)
+
+  ``B`` = the request's full blocks (+1 for the partial tail, always computed),
+  ``cached_blocks(r)`` = leading blocks the prefix index says ``r`` holds,
+  ``load(r)`` as above. Each cached block saves one block of prefill; each
+  request queued ahead costs about ``queued_request_blocks`` blocks of work.
+  Hot-spot guard first: replicas with ``load > spill_factor * mean_load +
+  spill_slack`` are filtered out, so a hot prefix spills to other replicas
+  (which then cache it too) instead of piling onto one.
+
+Only ``cache_aware`` needs token ids (``policy.needs_tokens``): the gateway
+tokenizes only when it is True.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from cache.blocks import BlockHash, BlockHasher, BlockHashConfig
+from cache.scorers import (
+    Candidate, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
+    RoundRobinPicker, RouteContext, RouteRequest, Scorer, SessionAffinityScorer, load_of,
+)
+
+POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
+
+
+class NoCandidates(RuntimeError):
+    """No replica to route to."""
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+class RouterConfig(msgspec.Struct, frozen=True):
+    policy: str = "cache_aware"
+    overlap_weight: float = 1.0
+    queued_request_blocks: float = 4.0
+    spill_factor: float = 1.5
+    spill_slack: float = 2.0
+
+
+class RouteDecision(msgspec.Struct):
+    replica: Any  # the chosen Candidate
+    predicted_cached_tokens: int
+    block_hashes: list[BlockHash]
+    policy: str
+    scores: dict[str, float] = {}
+
+
+class Policy:
+    """filters -> weighted scorers -> picker."""
+
+    def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[tuple[Scorer, float]],
+                 picker: Picker, needs_tokens: bool = False, fallback: "Policy | None" = None) -> None:
+        self.name = name
+        self.filters = list(filters)
+        self.scorers = list(scorers)
+        self.picker = picker
+        self.needs_tokens = needs_tokens
+        self.fallback = fallback  # used when the request lacks what this policy keys on
+
+    def choose(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> tuple[Candidate, dict[str, float]]:
+        if self.name == "session" and not ctx.request.session_id and self.fallback is not None:
+            return self.fallback.choose(ctx, candidates)
+        kept = list(candidates)
+        for f in self.filters:
+            kept = f.filter(ctx, kept)
+        scores = {c.name: 0.0 for c in kept}
+        for scorer, weight in self.scorers:
+            for name, s in scorer.score(ctx, kept).items():
+                scores[name] += weight * s
+        return self.picker.pick(ctx, kept, scores), scores
+
+
+def build_policy(name: str, config: RouterConfig = RouterConfig()) -> Policy:
+    if name == "round_robin":
+        return Policy(name, [], [], RoundRobinPicker())
+    if name == "least_loaded":
+        return Policy(name, [], [(LoadScorer(), 1.0)], MaxScorePicker())
+    if name == "session":
+        return Policy(name, [], [(SessionAffinityScorer(), 1.0)], MaxScorePicker(),
+                      fallback=build_policy("least_loaded", config))
+    if name == "cache_aware":
+        return Policy(
+            name,
+            [HotspotFilter(config.spill_factor, config.spill_slack)],
+            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks), 1.0)],
+            MaxScorePicker(),
+            needs_tokens=True,
+        )
+    raise UnknownPolicy(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+class Router:
+    """Picks a replica per request and teaches the prefix index where prefixes went.
+
+    >>> router = Router("cache_aware", index, block_size=32)
+    >>> if router.needs_tokens: req = RouteRequest(token_ids=tok.encode(prompt))
+    >>> decision = router.pick(req, replicas)
+    >>> router.observe(decision)       # once the request is sent to decision.replica
+    """
+
+    def __init__(self, policy: str | Policy = "cache_aware", index: Any = None, block_size: int = 32,
+                 hasher: BlockHasher | None = None, config: RouterConfig = RouterConfig()) -> None:
+        self.policy = policy if isinstance(policy, Policy) else build_policy(policy, config)
+        self.index = index  # PrefixIndex | SharedPrefixIndex | None
+        self.hasher = hasher or BlockHasher(BlockHashConfig(block_size=block_size))
+        self.block_size = self.hasher.block_size
+        self._known_capacity: dict[str, int] = {}
+
+    @property
+    def needs_tokens(self) -> bool:
+        return self.policy.needs_tokens
+
+    def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
+        if not candidates:
+            raise NoCandidates("no replica available")
+        hashes: list[BlockHash] = []
+        matches: dict[str, int] = {}
+        if self.policy.needs_tokens:
+            if request.block_hashes is not None:
+                hashes = list(request.block_hashes)
+            elif request.token_ids is not None:
+                hashes = self.hasher.hashes(request.token_ids)
+            if self.index is not None:
+                self._sync_capacity(candidates)
+                if hashes:
+                    matches = self.index.match(hashes)
+        ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
+                           matches=matches, loads={c.name: load_of(c) for c in candidates})
+        chosen, scores = self.policy.choose(ctx, candidates)
+        return RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
+                             block_hashes=hashes, policy=self.policy.name, scores=scores)
+
+    def observe(self, decision: RouteDecision) -> None:
+        """Record that the decision's blocks now live (approximately) on its replica."""
+        if self.index is not None and decision.block_hashes:
+            self.index.record(decision.replica.name, decision.block_hashes)
+
+    def _sync_capacity(self, candidates: Sequence[Candidate]) -> None:
+        for c in candidates:
+            cap = c.kv_capacity_blocks
+            if cap and self._known_capacity.get(c.name) != cap:
+                self._known_capacity[c.name] = cap
+                self.index.set_capacity(c.name, cap)

@@ -1,0 +1,176 @@
+"""Routing building blocks in the llm-d EPP shape: filters -> weighted scorers -> picker.
+
+A filter drops candidates; a scorer gives each remaining candidate a number
+(higher is better); the picker chooses from the weighted sum. A new policy is
+a new combination of these, not a new branch in the router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from cache.blocks import BlockHash
+
+
+@runtime_checkable
+class Candidate(Protocol):
+    """A replica as routing sees it (serving.Replica satisfies this)."""
+
+    name: str
+    inflight: int  # requests in flight through this gateway
+    num_waiting: float  # scraped vllm:num_requests_waiting
+    num_running: float  # scraped vllm:num_requests_running
+    kv_capacity_blocks: int | None
+
+
+def load_of(c: Candidate) -> float:
+    # The gateway's own in-flight count is fresh; the scraped engine counts lag
+    # by a scrape interval but include other gateways' traffic. Take the larger.
+    return max(float(c.inflight), c.num_waiting + c.num_running)
+
+
+class RouteRequest(msgspec.Struct):
+    token_ids: list[int] | None = None
+    block_hashes: list[BlockHash] | None = None
+    session_id: str | None = None
+
+
+class RouteContext(msgspec.Struct):
+    """Everything scorers may read about one routing decision."""
+
+    request: RouteRequest
+    block_hashes: list[BlockHash]
+    block_size: int
+    matches: dict[str, int]  # replica -> cached leading blocks (from the prefix index)
+    loads: dict[str, float]
+
+
+def rendezvous(key: str | bytes, name: str) -> int:
+    """Highest-random-weight hash: stable, same on every gateway, moves ~1/N keys per change."""
+    k = key.encode() if isinstance(key, str) else key
+    return int.from_bytes(hashlib.blake2b(k + b"\x00" + name.encode(), digest_size=8).digest(), "big")
+
+
+class Filter(Protocol):
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]: ...
+
+
+class Picker(Protocol):
+    def pick(self, ctx: RouteContext, candidates: Sequence[Candidate], scores: dict[str, float]) -> Candidate: ...
+
+
+# -- filters ------------------------------------------------------------------
+class HotspotFilter:
+    """Drops replicas whose load exceeds ``factor * mean + slack``: however hot a
+    prefix is, its replica stops attracting work once it runs far above the fleet."""
+
+    def __init__(self, factor: float = 1.5, slack: float = 2.0) -> None:
+        self.factor = factor
+        self.slack = slack
+
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
+        if len(candidates) < 2:
+            return list(candidates)
+        mean = sum(ctx.loads[c.name] for c in candidates) / len(candidates)
+        limit = self.factor * mean + self.slack
+        kept = [c for c in candidates if ctx.loads[c.name] <= limit]
+        return kept or list(candidates)
+
+
+# -- scorers ------------------------------------------------------------------
+class PrefixCacheScorer:
+    """Fraction of the request's full blocks already cached on the replica."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        n = len(ctx.block_hashes)
+        return {c.name: (ctx.matches.get(c.name, 0) / n if n else 0.0) for c in candidates}
+
+
+class LoadScorer:
+    """1 for the least loaded candidate, falling linearly to 0 for the most loaded."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        hi = max((ctx.loads[c.name] for c in candidates), default=0.0)
+        if hi <= 0:
+            return {c.name: 1.0 for c in candidates}
+        return {c.name: 1.0 - ctx.loads[c.name] / hi for c in candidates}
+
+
+class KVCostScorer:
+    """NVIDIA Dynamo's KV-router cost, negated so that higher is better:
+
+        cost = overlap_weight * prefill_blocks + queued_request_blocks * load
+
+    ``prefill_blocks`` = the request's blocks not cached on the replica (the work
+    a prefix hit saves); ``load`` = requests running + waiting there, each
+    counted as ``queued_request_blocks`` blocks of prefill/decode work ahead.
+    """
+
+    def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 4.0) -> None:
+        self.overlap_weight = overlap_weight
+        self.queued_request_blocks = queued_request_blocks
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        # Partial last block is always computed: count it so short prompts still weigh load.
+        total = len(ctx.block_hashes) + 1
+        out = {}
+        for c in candidates:
+            prefill = total - ctx.matches.get(c.name, 0)
+            out[c.name] = -(self.overlap_weight * prefill + self.queued_request_blocks * ctx.loads[c.name])
+        return out
+
+
+class SessionAffinityScorer:
+    """Rendezvous hash of the session id: 1 for the session's home replica, else 0."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        sid = ctx.request.session_id
+        if not sid or not candidates:
+            return {c.name: 0.0 for c in candidates}
+        home = max(candidates, key=lambda c: rendezvous(sid, c.name))
+        return {c.name: (1.0 if c is home else 0.0) for c in candidates}
+
+
+# -- pickers ------------------------------------------------------------------
+class MaxScorePicker:
+    """Highest score; ties go to the lowest load, then to a rendezvous hash of
+    the prefix's first block (or session), so every gateway breaks ties alike and
+    different prefixes spread over the tied replicas."""
+
+    def __init__(self) -> None:
+        self._rotation = itertools.count()
+
+    def pick(self, ctx: RouteContext, candidates: Sequence[Candidate], scores: dict[str, float]) -> Candidate:
+        best = max(scores[c.name] for c in candidates)
+        tied = [c for c in candidates if scores[c.name] >= best - 1e-9]
+        if len(tied) == 1:
+            return tied[0]
+        low = min(ctx.loads[c.name] for c in tied)
+        tied = [c for c in tied if ctx.loads[c.name] <= low]
+        if len(tied) == 1:
+            return tied[0]
+        key: str | bytes | None = ctx.request.session_id
+        if key is None and ctx.block_hashes:
+            h = ctx.block_hashes[0]
+            key = h if isinstance(h, bytes) else str(h)
+        if key is None:  # nothing to be sticky about: rotate
+            return tied[next(self._rotation) % len(tied)]
+        return max(tied, key=lambda c: rendezvous(key, c.name))
+
+
+class RoundRobinPicker:
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def pick(self, ctx: RouteContext, candidates: Sequence[Candidate], scores: dict[str, float]) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: c.name)
+        return ordered[next(self._next) % len(ordered)]

@@ -1,0 +1,222 @@
+"""Routing policies, the prefix index's LRU model, Redis sharing and KV-event resync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
+
+from cache import (
+    KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router,
+    SharedPrefixIndex, UnknownPolicy,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+
+
+class Replica(msgspec.Struct):
+    name: str
+    inflight: int = 0
+    num_waiting: float = 0
+    num_running: float = 0
+    kv_capacity_blocks: int | None = None
+
+
+def tokens(prefix: int, n_blocks: int, suffix: int = 0) -> list[int]:
+    """`n_blocks` full blocks of a tenant prefix, then a per-user suffix."""
+    return [(prefix * 7919 + i) % 1000 + 4 for i in range(32 * n_blocks)] + [5 + suffix] * 10
+
+
+def test_prefix_routed_twice_lands_on_same_replica() -> None:
+    router = Router("cache_aware", PrefixIndex(), block_size=32)
+    fleet = [Replica("a"), Replica("b"), Replica("c")]
+    for prefix in range(6):
+        first = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 1)), fleet)
+        router.observe(first)
+        second = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 2)), fleet)
+        assert second.replica.name == first.replica.name
+        assert second.predicted_cached_tokens == 8 * 32
+
+
+def test_cache_aware_spills_hot_prefix_from_loaded_replica() -> None:
+    router = Router("cache_aware", PrefixIndex(), block_size=32)
+    a, b = Replica("a"), Replica("b")
+    router.observe(router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b]))
+    home = router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b]).replica.name
+    other = "b" if home == "a" else "a"
+    loaded = {home: Replica(home, inflight=12, num_running=12), other: Replica(other)}
+    d = router.pick(RouteRequest(token_ids=tokens(1, 8)), list(loaded.values()))
+    assert d.replica.name == other and d.predicted_cached_tokens == 0
+    # A mildly busier cache holder still wins: 8 cached blocks outweigh one queued request.
+    loaded[home] = Replica(home, inflight=1)
+    assert router.pick(RouteRequest(token_ids=tokens(1, 8)), list(loaded.values())).replica.name == home
+
+
+def test_hot_prefix_spreads_instead_of_piling_up() -> None:
+    router = Router("cache_aware", PrefixIndex(), block_size=32)
+    fleet = {n: Replica(n) for n in "abc"}
+    for i in range(60):  # one hot tenant prefix, requests never finish
+        d = router.pick(RouteRequest(token_ids=tokens(9, 8, i)), list(fleet.values()))
+        router.observe(d)
+        fleet[d.replica.name].inflight += 1
+    loads = sorted(r.inflight for r in fleet.values())
+    assert loads[-1] <= 1.5 * (60 / 3) + 2 + 1
+
+
+def test_session_policy_is_sticky_and_needs_no_tokens() -> None:
+    router = Router("session")
+    assert not router.needs_tokens
+    fleet = [Replica("a"), Replica("b"), Replica("c")]
+    homes = {sid: router.pick(RouteRequest(session_id=sid), fleet).replica.name for sid in map(str, range(30))}
+    assert len(set(homes.values())) == 3
+    for sid, home in homes.items():
+        assert router.pick(RouteRequest(session_id=sid), list(reversed(fleet))).replica.name == home
+    # Removing a replica only moves that replica's sessions.
+    smaller = [r for r in fleet if r.name != "c"]
+    for sid, home in homes.items():
+        if home != "c":
+            assert router.pick(RouteRequest(session_id=sid), smaller).replica.name == home
+
+
+def test_round_robin_and_least_loaded() -> None:
+    rr = Router("round_robin")
+    fleet = [Replica("a"), Replica("b")]
+    assert [rr.pick(RouteRequest(), fleet).replica.name for _ in range(4)] == ["a", "b", "a", "b"]
+    ll = Router("least_loaded")
+    assert ll.pick(RouteRequest(), [Replica("a", inflight=3), Replica("b", num_waiting=1)]).replica.name == "b"
+    assert not rr.needs_tokens and not ll.needs_tokens and Router("cache_aware").needs_tokens
+    with pytest.raises(UnknownPolicy):
+        Router("fastest")
+
+
+def test_lru_forgets_what_the_engine_evicts() -> None:
+    index = PrefixIndex(PrefixIndexConfig(default_capacity_blocks=100))
+    router = Router("cache_aware", index)
+    fleet = [Replica("a", kv_capacity_blocks=20)]
+    old = router.pick(RouteRequest(token_ids=tokens(1, 8)), fleet)
+    router.observe(old)
+    assert index.capacity("a") == 20
+    for p in range(2, 5):  # 24 newer blocks push the oldest out
+        router.observe(router.pick(RouteRequest(token_ids=tokens(p, 8)), fleet))
+    assert index.match(old.block_hashes).get("a", 0) == 0
+    stats = index.stats()
+    assert stats.replicas["a"] == 20 and stats.evicted == 12 and stats.total_blocks == 20
+
+
+def test_index_total_memory_is_bounded() -> None:
+    index = PrefixIndex(PrefixIndexConfig(default_capacity_blocks=1000, max_total_blocks=50))
+    for r in "abc":
+        index.record(r, list(range(hash(r) % 1000, hash(r) % 1000 + 40)))
+    assert index.stats().total_blocks == 50
+
+
+async def _cleanup(clients: list, prefix: str) -> None:
+    async for key in clients[0].scan_iter(match=prefix + ":*"):
+        await clients[0].delete(key)
+    for c in clients:
+        await c.aclose()
+
+
+async def _eventually(predicate, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+
+
+async def test_two_gateways_sharing_redis_agree() -> None:
+    # Separate connections, as two gateway processes would have.
+    clients = [aioredis.Redis.from_url(REDIS_URL) for _ in range(3)]
+    prefix = "yg-test-cache"
+    try:
+        await _shared_index_scenario(clients, prefix)
+    finally:
+        await _cleanup(clients, prefix)
+
+
+async def _shared_index_scenario(clients: list, prefix: str) -> None:
+    config = PrefixIndexConfig(redis_key_prefix=prefix)
+    a, b = SharedPrefixIndex(clients[0], config), SharedPrefixIndex(clients[1], config)
+    await a.start()
+    await b.start()
+    try:
+        ra, rb = Router("cache_aware", a), Router("cache_aware", b)
+        fleet = [Replica("r1"), Replica("r2"), Replica("r3")]
+        decisions = {}
+        for prefix_id in range(8):
+            d = ra.pick(RouteRequest(token_ids=tokens(prefix_id, 6, 0)), fleet)
+            ra.observe(d)
+            decisions[prefix_id] = d
+        await a.flush()
+        last = decisions[7].block_hashes
+        await _eventually(lambda: b.match(last).get(decisions[7].replica.name) == len(last))
+        for prefix_id, d in decisions.items():
+            other = rb.pick(RouteRequest(token_ids=tokens(prefix_id, 6, 1)), fleet)
+            assert other.replica.name == d.replica.name
+            assert other.predicted_cached_tokens == 6 * 32
+        # A gateway that starts later loads the snapshot from Redis.
+        c = SharedPrefixIndex(clients[2], config)
+        await c.start()
+        try:
+            assert c.match(last) == a.match(last)
+            assert c.stats().total_blocks == a.stats().total_blocks
+        finally:
+            await c.close()
+        # Removals (e.g. BlockRemoved seen by one gateway) propagate too.
+        b.remove(decisions[0].replica.name, decisions[0].block_hashes[3:])
+        await b.flush()
+        await _eventually(lambda: a.match(decisions[0].block_hashes).get(decisions[0].replica.name) == 3)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_kv_subscriber_applies_events_and_resyncs_after_restart() -> None:
+    """A local PUB socket speaks vLLM's wire format; simulates gaps and an engine restart."""
+    from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = PrefixIndex()
+    sub = KVEventSubscriber("e", f"tcp://127.0.0.1:{port}", index)
+    sub.start()
+    enc = msgspec.msgpack.Encoder()
+
+    async def send(seq: int, *events) -> None:
+        batch = KVEventBatch(ts=0.0, events=list(events))
+        await pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), enc.encode(batch)])
+
+    try:
+        # Wait for the subscription to be live (PUB drops messages sent before it).
+        for seq in range(100):
+            await send(seq, BlockStored(block_hashes=[1], token_ids=[], block_size=32, medium="GPU"))
+            await asyncio.sleep(0.05)
+            if index.holds("e", 1):
+                break
+        assert index.holds("e", 1)
+        seq = sub.last_seq
+        await send(seq + 1, BlockStored(block_hashes=[2, 3, 4], parent_block_hash=1, medium="GPU"),
+                   BlockStored(block_hashes=[99], medium="CPU"))
+        await _eventually(lambda: index.match([1, 2, 3, 4]) == {"e": 4})
+        assert not index.holds("e", 99)  # offloaded tiers do not serve prefix hits here
+        await send(seq + 2, BlockRemoved(block_hashes=[3], medium="GPU"))
+        await _eventually(lambda: index.match([1, 2, 3, 4]) == {"e": 2})
+        # A gap without a replay endpoint: forget everything rather than keep stale blocks.
+        await send(seq + 10, BlockStored(block_hashes=[7], medium="GPU"))
+        await _eventually(lambda: sub.gaps == 1)
+        assert index.blocks("e") == [7]
+        # Engine restart: sequence numbers start over -> cleared, then rebuilt from new events.
+        await send(0, BlockStored(block_hashes=[8], medium="GPU"))
+        await _eventually(lambda: sub.restarts == 1)
+        assert index.blocks("e") == [8]
+        await send(1, AllBlocksCleared())
+        await _eventually(lambda: index.blocks("e") == [])
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
