@@ -1,14 +1,57 @@
-"""Per-request accounting: one context per request, finished exactly once (metrics, cost, ledger)."""
+"""Per-request accounting: authenticate, admit (rate limits, budget reservation), then finish each
+request exactly once (exact cost, ledger record, budget settle, fleet yield, metrics).
+
+The hot path of an anonymous request (no API key) never awaits anything: admit() returns at once
+and finish() prices with Decimals, appends one journal line and bumps counters. Redis is touched
+only for keyed requests, and then only for the limits the key actually has.
+
+Abandoned streams (the client left before the final usage event) are billed on an estimate:
+completion tokens = content events relayed so far (one event per token for vLLM without
+speculative decoding); prompt tokens = the routing layer's tokenization when it ran
+(ctx.prompt_tokens), else the prompt's characters divided by the chars-per-token ratio observed on
+this gateway's completed requests; cached tokens = the router's prediction. The ledger record has
+status "aborted" so estimated rows can be told apart from engine-reported ones.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import logging
+import math
+import os
+import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from decimal import Decimal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Coroutine
 
-from serving.fleet import Replica
+import msgspec
+import redis.asyncio as aioredis
+from starlette.requests import Request
 
+from pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, FleetCostMeter, InsufficientQuota,
+                     InvalidApiKey, KeyStore, Ledger, LedgerConfig, LedgerError, LedgerRecord,
+                     LimiterUnavailable, PriceBook, RateLimiter, RedisStore, ReplicaCost,
+                     Reservation, SQLiteStore)
+from pricing import RateLimited as PricingRateLimited
+from pricing import Usage as PricedUsage
+from serving.config import home_dir
+from serving.fleet import Fleet, Replica
+
+from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnavailable
 from .metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from .config import Config
+
+log = logging.getLogger("yieldgate.accounting")
+_DEFAULT_LEDGER = LedgerConfig()
+# Chat-template tokens around each message (role markers, separators): an upper bound for ChatML.
+_TEMPLATE_TOKENS_PER_MESSAGE = 8
+_INITIAL_CHARS_PER_TOKEN = 4.0   # until completed requests calibrate it
+REDIS_CONNECTIONS = 32
 
 
 @dataclass(slots=True)
@@ -36,8 +79,11 @@ class RequestContext:
     started: float
     stream: bool = False
     session_id: str = ""
-    key: Any = None
+    key: ApiKey | None = None
     max_tokens: int | None = None
+    typed: Any = None                       # the validated request (prompt size estimates)
+    prompt_tokens: list[int] | None = None  # set by routing when it tokenized the prompt
+    route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
     replica: Replica | None = None
     predicted_cached_tokens: int = 0
     ttft: float | None = None
@@ -45,6 +91,8 @@ class RequestContext:
     finished: bool = False
     status: str = ""
     cost_header: str = ""
+    reservation: Reservation | None = None
+    rate_tokens: int = 0                    # tokens already counted against the key's TPM
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -63,20 +111,250 @@ class RequestContext:
         self.ttft = time.perf_counter() - self.started
 
 
-class Accounting:
-    """Where a finished request is counted. Pricing and the ledger plug in here."""
+@dataclass(slots=True)
+class TierTotals:
+    """Running totals per (tier, model) since start: the dashboard's and gauges' source."""
 
-    def __init__(self, metrics: GatewayMetrics):
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    revenue: Decimal = Decimal(0)
+
+
+def prompt_size(typed: Any) -> tuple[int, int, int | None]:
+    """(characters, UTF-8 byte upper bound, exact token count if the prompt is token ids)."""
+    chars = upper = 0
+    texts: list[str] = []
+    messages = getattr(typed, "messages", None)
+    if messages is not None:
+        for m in messages:
+            upper += _TEMPLATE_TOKENS_PER_MESSAGE
+            content = m.content
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(p["text"] for p in content
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+    else:
+        prompt = getattr(typed, "prompt", None)
+        if isinstance(prompt, str):
+            texts.append(prompt)
+        elif isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) for t in prompt):
+                return 0, len(prompt), len(prompt)
+            if all(isinstance(p, list) for p in prompt):
+                n = sum(len(p) for p in prompt)
+                return 0, n, n
+            texts.extend(p for p in prompt if isinstance(p, str))
+    for t in texts:
+        chars += len(t)
+        upper += len(t) if t.isascii() else 4 * len(t)
+    return chars, upper + _TEMPLATE_TOKENS_PER_MESSAGE, None
+
+
+def usd(amount: Decimal) -> str:
+    """0E-9 -> "0", 0.000092500 -> "0.0000925" (fixed point, no exponent)."""
+    return format(amount.normalize(), "f")
+
+
+def local_pepper(root: Path) -> str:
+    """A per-installation secret for key hashes, created once, readable only by its owner."""
+    path = root / "key-pepper"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        root.mkdir(parents=True, exist_ok=True)
+        pepper = secrets.token_hex(32)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another gateway process won the race
+            return path.read_text().strip()
+        with os.fdopen(fd, "w") as f:
+            f.write(pepper)
+        return pepper
+
+
+def data_dir(config: "Config") -> Path:
+    return Path(config.server.data_dir).expanduser() if config.server.data_dir else home_dir() / "data"
+
+
+@dataclass(slots=True)
+class _Children:
+    """Labelled metric children of one (tier, model): .labels() costs microseconds per call."""
+
+    prompt: Any
+    cached: Any
+    uncached: Any
+    completion: Any
+    cost_uncached: Any
+    cost_cached: Any
+    cost_output: Any
+    predicted_cached: Any
+    prediction_error: Any
+
+    @classmethod
+    def bind(cls, m: GatewayMetrics, tier: str, model: str) -> "_Children":
+        return cls(m.tokens.labels("prompt", tier, model), m.tokens.labels("cached", tier, model),
+                   m.tokens.labels("uncached", tier, model), m.tokens.labels("completion", tier, model),
+                   m.cost.labels("uncached_input", tier, model), m.cost.labels("cached_input", tier, model),
+                   m.cost.labels("output", tier, model), m.predicted_cached.labels(tier),
+                   m.prediction_error.labels(tier))
+
+
+class Accounting:
+    """Where requests are authenticated, admitted and, once finished, priced and recorded."""
+
+    def __init__(self, config: "Config", metrics: GatewayMetrics, fleet: Fleet | None = None):
+        self.config = config
         self.metrics = metrics
+        self.fleet = fleet
+        pricing = config.pricing
+        self.price_book = PriceBook(pricing)
+        replicas = dict(pricing.replicas)
+        for r in config.fleet.replicas:  # [fleet] cost_per_hour unless [pricing.replicas] says
+            replicas.setdefault(r.name, ReplicaCost(hourly_usd=Decimal(r.cost_per_hour or "0"),
+                                                    tier=r.tier, model=config.fleet.model))
+        self.fleet_cost = FleetCostMeter(msgspec.structs.replace(pricing, replicas=replicas))
+        self.advisor = CacheAdvisor()
+        self.totals: dict[tuple[str, str], TierTotals] = {}
+        self._children: dict[tuple[str, str], _Children] = {}
+        self._request_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
+        self.chars_per_token = _INITIAL_CHARS_PER_TOKEN
+        self.redis: aioredis.Redis | None = None
+        self.keys: KeyStore | None = None
+        self.budget: BudgetEnforcer | None = None
+        self.limiter: RateLimiter | None = None
+        self.ledger: Ledger | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._admin_token = config.server.admin_token.encode()
+        # Every tier the fleet serves must have a price, or finish() could not bill it.
+        for tier in {r.tier for r in config.fleet.replicas}:
+            self.price_book.price(config.fleet.model, tier)
+        metrics.on_render(self.refresh_gauges)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        pass
+        limits = self.config.pricing.limits
+        # A bounded pool: a burst of keyed requests queues for a connection instead of opening
+        # dozens at once (connect timeouts under load would make budgets fail open).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            self.config.server.redis_url, max_connections=REDIS_CONNECTIONS, timeout=5.0,
+            socket_timeout=5.0, socket_connect_timeout=5.0)
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self.keys = KeyStore(self.redis, pepper=limits.key_pepper or local_pepper(data_dir(self.config)),
+                             prefix=limits.prefix,
+                             cache_ttl_s=limits.key_cache_ttl_s, on_redis_error=limits.on_redis_error)
+        self.budget = BudgetEnforcer(self.redis, prefix=limits.prefix,
+                                     on_redis_error=limits.on_redis_error,
+                                     reservation_ttl_s=limits.reservation_ttl_s)
+        self.limiter = RateLimiter(self.redis, prefix=limits.prefix, window_s=limits.rate_window_s,
+                                   on_redis_error=limits.on_redis_error)
+        self.ledger = await self._start_ledger()
+
+    async def _start_ledger(self) -> Ledger:
+        cfg = self.config.pricing.ledger
+        root = data_dir(self.config)
+        journal = Path(cfg.journal_dir).expanduser() if cfg.journal_dir != _DEFAULT_LEDGER.journal_dir \
+            else root / "journal"
+        # A journal belongs to one process (flock). A second gateway on the same data dir gets a
+        # journal of its own, named after its port so that its restart replays it.
+        for directory in (journal, journal.with_name(f"{journal.name}-{self.config.server.port}")):
+            if cfg.store == "redis":
+                url = self.config.server.redis_url if cfg.redis_url == _DEFAULT_LEDGER.redis_url else cfg.redis_url
+                store: Any = RedisStore(url, cfg.redis_prefix)
+            else:
+                store = SQLiteStore(cfg.sqlite_path or root / "ledger.sqlite3")
+            ledger = Ledger(store, directory, flush_interval_s=cfg.flush_interval_s,
+                            batch_size=cfg.batch_size, compact_bytes=cfg.compact_bytes,
+                            retry_backoff_s=cfg.retry_backoff_s)
+            try:
+                await ledger.start()
+                return ledger
+            except LedgerError as exc:
+                await store.close()
+                log.warning("%s; trying a journal of this gateway's own", exc)
+        raise LedgerError(f"no usable ledger journal under {journal.parent}")
 
     async def close(self) -> None:
-        pass
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=10)
+        if self.ledger is not None:
+            await self.ledger.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- before routing ----------------------------------------------------------------------------
+
+    def is_admin_token(self, token: str) -> bool:
+        return bool(self._admin_token) and hmac.compare_digest(token.encode(), self._admin_token)
+
+    async def authenticate(self, request: Request) -> ApiKey | None:
+        """The API key of an inference request; None for an anonymous request in open mode.
+
+        yg- secrets are always checked (a typo'd or revoked key fails loudly instead of running
+        unbudgeted). Other bearer tokens are ignored in open mode (OpenAI clients always send
+        one), so anonymous requests never cost a Redis round trip."""
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if token and self.is_admin_token(token):
+            raise AuthenticationError("The admin token is not an API key.")
+        if not token.startswith("yg-"):
+            if not self.config.server.require_keys:
+                return None
+            raise AuthenticationError(
+                "Missing or malformed API key: send 'Authorization: Bearer yg-...'." if not token
+                else "Incorrect API key provided.")
+        assert self.keys is not None
+        try:
+            return await self.keys.authenticate(token)
+        except InvalidApiKey as exc:
+            raise AuthenticationError(f"Incorrect API key provided ({exc}).") from None
+        except LimiterUnavailable:
+            raise ServiceUnavailable("Key store unreachable.", code="key_store_unavailable") from None
 
     async def admit(self, ctx: RequestContext) -> None:
-        """Budget and rate-limit checks before the request reaches an engine."""
+        """Rate limits, then the budget reservation of the request's maximum cost."""
+        key = ctx.key
+        if key is None or (not key.rpm and not key.tpm and key.budget_usd is None):
+            return
+        assert self.limiter is not None and self.budget is not None
+        _, upper, exact = prompt_size(ctx.typed)
+        try:
+            if key.rpm or key.tpm:
+                ctx.rate_tokens = exact if exact is not None else self._estimate_tokens(ctx.typed)
+                await self.limiter.acquire(key, ctx.rate_tokens)
+            if key.budget_usd is not None:
+                max_out = ctx.max_tokens or self.config.limits.max_tokens
+                ctx.reservation = await self.budget.reserve(
+                    key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out))
+        except PricingRateLimited as exc:
+            raise RateLimited(
+                f"Rate limit reached for key {key.id} ({exc.limit}): retry after "
+                f"{exc.retry_after_s:.1f}s.",
+                headers={"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}) from None
+        except InsufficientQuota as exc:
+            raise QuotaExceeded(
+                f"Budget exhausted for key {key.id}: ${usd(exc.budget_usd)} budget, "
+                f"${usd(exc.spent_usd)} spent, ${usd(exc.reserved_usd)} reserved, this request "
+                f"may cost up to ${usd(exc.requested_usd)}.") from None
+        except LimiterUnavailable:
+            raise ServiceUnavailable("Budget/limit store unreachable.", code="limiter_unavailable") from None
+
+    def _estimate_tokens(self, typed: Any) -> int:
+        chars, _, exact = prompt_size(typed)
+        if exact is not None:
+            return exact
+        n = len(getattr(typed, "messages", None) or ()) or 1
+        return math.ceil(chars / self.chars_per_token) + 4 * n
+
+    # -- after the response ------------------------------------------------------------------------
 
     def finish(self, ctx: RequestContext, usage: Usage | None, status: str) -> dict[str, Any]:
         """Record the request once; return fields to add to the response's `usage`."""
@@ -84,19 +362,142 @@ class Accounting:
             return {}
         ctx.finished = True
         ctx.status = status
-        m = self.metrics
-        endpoint = ctx.kind
-        m.requests.labels(endpoint, ctx.tier, status).inc()
-        m.latency.labels(ctx.tier).observe(time.perf_counter() - ctx.started)
+        latency = time.perf_counter() - ctx.started
+        rc = self._request_children.get((ctx.kind, ctx.tier, status))
+        if rc is None:
+            m = self.metrics
+            rc = self._request_children[(ctx.kind, ctx.tier, status)] = (
+                m.requests.labels(ctx.kind, ctx.tier, status), m.latency.labels(ctx.tier),
+                m.ttft.labels(ctx.tier))
+        rc[0].inc()
+        rc[1].observe(latency)
         if ctx.ttft is not None:
-            m.ttft.labels(ctx.tier).observe(ctx.ttft)
+            rc[2].observe(ctx.ttft)
+        estimated = False
+        if usage is None and status == "aborted" and ctx.replica is not None:
+            usage = self._estimate_aborted(ctx)
+            estimated = True
+        priced = PricedUsage()
+        if usage is not None:
+            prompt = max(usage.prompt_tokens, 0)
+            priced = PricedUsage(prompt, min(max(usage.cached_tokens, 0), prompt),
+                                 max(usage.completion_tokens, 0))
+        cost = self.price_book.cost(ctx.model, ctx.tier, priced) if usage is not None else Cost()
+        key = ctx.key
+        if self.ledger is not None:
+            self.ledger.record(LedgerRecord.priced(
+                request_id=ctx.request_id, usage=priced, cost=cost,
+                key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
+                tier=ctx.tier, replica=ctx.replica_name, weight_version=ctx.weight_version,
+                session_id=ctx.session_id or None,
+                ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
+                latency_ms=round(latency * 1000, 3), status=status))
+        if key is not None:
+            self._after_keyed(ctx, key, cost, priced)
         if usage is None:
             return {}
+        self._count(ctx, usage, priced, cost, latency, estimated)
+        if ctx.prompt_tokens:
+            asyncio.get_running_loop().call_soon(
+                self.advisor.observe, key.id if key else "anonymous", ctx.session_id or None,
+                ctx.prompt_tokens)
+        ctx.cost_header = cost.header_value()
+        return {} if estimated else {"cost": cost.to_wire()}
+
+    def _count(self, ctx: RequestContext, usage: Usage, priced: PricedUsage, cost: Cost,
+               latency: float, estimated: bool) -> None:
         labels = (ctx.tier, ctx.model)
-        m.tokens.labels("prompt", *labels).inc(usage.prompt_tokens)
-        m.tokens.labels("cached", *labels).inc(usage.cached_tokens)
-        m.tokens.labels("uncached", *labels).inc(usage.prompt_tokens - usage.cached_tokens)
-        m.tokens.labels("completion", *labels).inc(usage.completion_tokens)
-        m.predicted_cached.labels(ctx.tier).inc(ctx.predicted_cached_tokens)
-        m.prediction_error.labels(ctx.tier).observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
-        return {}
+        c = self._children.get(labels)
+        if c is None:
+            c = self._children[labels] = _Children.bind(self.metrics, *labels)
+        c.prompt.inc(priced.prompt_tokens)
+        c.cached.inc(priced.cached_tokens)
+        c.uncached.inc(priced.uncached_tokens)
+        c.completion.inc(priced.completion_tokens)
+        c.cost_uncached.inc(float(cost.uncached_input))
+        c.cost_cached.inc(float(cost.cached_input))
+        c.cost_output.inc(float(cost.output))
+        if estimated:
+            m = self.metrics
+            m.aborted_estimated_tokens.labels("prompt", ctx.tier).inc(priced.prompt_tokens)
+            m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
+        else:
+            c.predicted_cached.inc(ctx.predicted_cached_tokens)
+            c.prediction_error.observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+            self._calibrate(ctx, priced.prompt_tokens)
+        t = self.totals.get(labels)
+        if t is None:
+            t = self.totals[labels] = TierTotals()
+        t.requests += 1
+        t.prompt_tokens += priced.prompt_tokens
+        t.cached_tokens += priced.cached_tokens
+        t.completion_tokens += priced.completion_tokens
+        t.revenue += cost.total
+        if ctx.replica is not None:
+            self.fleet_cost.observe(ctx.replica.name, ctx.model, ctx.tier, priced, cost,
+                                    busy_ns=int(latency * 1e9))
+
+    def _calibrate(self, ctx: RequestContext, prompt_tokens: int) -> None:
+        """Track characters per prompt token (EWMA) for estimates when nothing tokenized."""
+        if ctx.typed is None or prompt_tokens <= 0:
+            return
+        chars, _, exact = prompt_size(ctx.typed)
+        if exact is None and chars:
+            self.chars_per_token += 0.05 * (chars / prompt_tokens - self.chars_per_token)
+
+    def _estimate_aborted(self, ctx: RequestContext) -> Usage:
+        prompt = len(ctx.prompt_tokens) if ctx.prompt_tokens else self._estimate_tokens(ctx.typed)
+        # The first event of a chat stream carries only the role; the rest carry one token each.
+        completion = max(ctx.chunks - (1 if ctx.kind == "chat" else 0), 0)
+        if ctx.max_tokens:
+            completion = min(completion, ctx.max_tokens)
+        return Usage(prompt, min(ctx.predicted_cached_tokens, prompt), completion)
+
+    def _after_keyed(self, ctx: RequestContext, key: ApiKey, cost: Cost, usage: PricedUsage) -> None:
+        """Budget settle and TPM top-up need Redis: off the response path, awaited on close."""
+        if ctx.reservation is not None:
+            self._spawn(self._settle(key, ctx.reservation, cost))
+        extra_tokens = usage.total_tokens - ctx.rate_tokens
+        if key.tpm and extra_tokens > 0 and self.limiter is not None:
+            self._spawn(self.limiter.add_tokens(key, extra_tokens))
+
+    async def _settle(self, key: ApiKey, reservation: Reservation, cost: Cost) -> None:
+        assert self.budget is not None
+        await self.budget.settle(key, reservation, cost)
+        try:
+            status = await self.budget.status(key)
+        except Exception:  # a gauge is not worth an error
+            return
+        if key.budget_usd is not None:
+            remaining = key.budget_usd - status.spent_usd - status.reserved_usd
+            self.metrics.budget_remaining.labels(key.id, key.team).set(float(remaining))
+
+    # -- derived figures ---------------------------------------------------------------------------
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        for (tier, model), t in self.totals.items():
+            if t.prompt_tokens:
+                m.cache_hit_ratio.labels(tier, model).set(t.cached_tokens / t.prompt_tokens)
+        report = self.fleet_cost.report()
+        for ty in report.tiers:
+            if ty.list_per_mtok is not None:
+                m.list_per_mtok.labels(ty.tier, ty.model).set(float(ty.list_per_mtok))
+            if ty.cost_per_mtok is not None:
+                m.actual_per_mtok.labels(ty.tier, ty.model).set(float(ty.cost_per_mtok))
+            if ty.margin_ratio is not None:
+                m.margin_ratio.labels(ty.tier, ty.model).set(float(ty.margin_ratio))
+        for ry in report.replicas:
+            m.replica_utilization.labels(ry.replica).set(float(ry.utilization))
+        if self.ledger is not None:
+            m.ledger_pending_bytes.set(self.ledger.pending_bytes)
+
+    async def flushed_ledger(self) -> Ledger:
+        """The ledger with everything recorded so far stored (best effort within 2 s): reports
+        read the store, and a just-finished request should show up in them."""
+        assert self.ledger is not None
+        try:
+            await self.ledger.flush(timeout=2.0)
+        except LedgerError as exc:
+            log.warning("report on a ledger not fully flushed: %s", exc)
+        return self.ledger

@@ -9,7 +9,7 @@ import logging
 from typing import AsyncIterator
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -17,8 +17,9 @@ from starlette.responses import Response
 from serving.fleet import Fleet
 
 from .accounting import Accounting
-from .admin import build_admin_router
+from .admin import build_admin_router, build_feedback_router
 from .config import Config
+from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
 from .metrics import GatewayMetrics
 from .proxy import Proxy
@@ -54,19 +55,22 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.fleet = Fleet(config.fleet)
-        self.routing = Routing(self.fleet)
-        self.accounting = Accounting(self.metrics)
+        self.routing = Routing(config, self.fleet)
+        self.accounting = Accounting(config, self.metrics, self.fleet)
+        self.dashboard = Dashboard(self)
         self.proxy = Proxy(config, self.fleet, self.routing, self.accounting)
 
     async def start(self) -> None:
         await self.fleet.start()
         await self.accounting.start()
+        await self.dashboard.start()
         await self.routing.start()
         await self.proxy.start()
 
     async def close(self) -> None:
         await self.proxy.close()
         await self.routing.close()
+        await self.dashboard.close()
         await self.accounting.close()
         await self.fleet.close()
 
@@ -140,17 +144,24 @@ def create_app(config: Config) -> FastAPI:
         log.exception("unexpected error on %s", request.url.path)
         return error_response(500, "Internal gateway error.", "server_error", code="internal_error")
 
-    app.include_router(build_admin_router(gw))
+    async def api_key(request: Request) -> None:
+        # API-key auth for inference endpoints; the proxy reads request.state.api_key.
+        request.state.api_key = await gw.accounting.authenticate(request)
 
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]))
+    app.include_router(build_admin_router(gw))
+    app.include_router(build_feedback_router(gw, api_key))
+    app.include_router(build_dashboard_router(gw, gw.dashboard))
+    inference = [Depends(api_key)]
+
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]), dependencies=inference)
     async def chat_completions(request: Request) -> Response:
         return await gw.proxy.handle("chat", request)
 
-    @app.post("/v1/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[1]))
+    @app.post("/v1/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[1]), dependencies=inference)
     async def completions(request: Request) -> Response:
         return await gw.proxy.handle("completions", request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=inference)
     async def models() -> Response:
         name = config.fleet.model
         cards = [ModelCard(id=name)]

@@ -12,10 +12,13 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, home_dir, load_config
+from .keys_cli import keys_app, spend
 
 app = typer.Typer(help="yieldgate: inference-economics gateway for vLLM fleets.", no_args_is_help=True)
 model_app = typer.Typer(help="The generated demo model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+app.add_typer(keys_app, name="keys")
+app.command("spend")(spend)
 console = Console(stderr=True)
 
 
@@ -80,6 +83,7 @@ def up(
     if not model_path:
         console.print("preparing the demo model ...")
         model_path = str(ensure_demo_model())
+    cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
     launcher = Launcher(cfg.fleet, model_path, log_dir)
 

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import msgspec
 
+from pricing import PricingConfig
 from serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
 
 ENV_PREFIX = "YIELDGATE_"
@@ -43,7 +44,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
-    pricing: dict[str, Any] = {}       # decoded by pricing.PricingConfig
+    pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
 
 
 class ConfigError(ValueError):

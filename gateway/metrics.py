@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -42,6 +44,42 @@ class GatewayMetrics:
         self.rejections = Counter(
             "yieldgate_rejections", "Requests refused before reaching an engine, by reason",
             ["reason"], registry=r)
+        # Inference economics. Ratios and per-1M figures are gauges refreshed at scrape time from
+        # the accounting state, so the request path only bumps counters.
+        self.cache_hit_ratio = Gauge(
+            "yieldgate_cache_hit_ratio", "Cached / prompt tokens since start", ["tier", "model"],
+            registry=r)
+        self.list_per_mtok = Gauge(
+            "yieldgate_list_revenue_per_mtok_usd",
+            "List-price revenue per 1M tokens served since start", ["tier", "model"], registry=r)
+        self.actual_per_mtok = Gauge(
+            "yieldgate_actual_cost_per_mtok_usd",
+            "Replica cost (hourly, busy or idle) allocated per 1M tokens served since start",
+            ["tier", "model"], registry=r)
+        self.margin_ratio = Gauge(
+            "yieldgate_margin_ratio", "(list revenue - allocated replica cost) / list revenue",
+            ["tier", "model"], registry=r)
+        self.replica_utilization = Gauge(
+            "yieldgate_replica_utilization", "Request-busy time / elapsed time per replica",
+            ["replica"], registry=r)
+        self.budget_remaining = Gauge(
+            "yieldgate_budget_remaining_usd",
+            "Budget minus spent and reserved for the current period, per API key", ["key_id", "team"],
+            registry=r)
+        self.aborted_estimated_tokens = Counter(
+            "yieldgate_aborted_estimated_tokens",
+            "Tokens billed on an estimate because the client left a stream early", ["kind", "tier"],
+            registry=r)
+        self.ledger_pending_bytes = Gauge(
+            "yieldgate_ledger_pending_bytes", "Journal bytes not yet confirmed by the ledger store",
+            registry=r)
+        self._refresh: list[Callable[[], None]] = []
+
+    def on_render(self, refresh: Callable[[], None]) -> None:
+        """Run `refresh` before every scrape (sets the gauges derived from accounting state)."""
+        self._refresh.append(refresh)
 
     def render(self) -> bytes:
+        for refresh in self._refresh:
+            refresh()
         return generate_latest(self.registry)

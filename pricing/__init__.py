@@ -1,17 +1,29 @@
 """Inference economics: price book, exact costs, fleet yield, durable ledger, keys, budgets, limits."""
 
+from .advisor import CacheAdvisor, Divergence, KeyCacheReport, common_prefix_len, diagnose
+from .budget import BudgetEnforcer, BudgetStatus, Reservation
 from .config import (LedgerConfig, LimitsConfig, PricingConfig, ReplicaCost, ResolvedTierPrice,
                      TierPrice)
 from .cost import WIRE_ENCODER, Cost, Usage
 from .errors import (InsufficientQuota, InvalidApiKey, InvalidPrice, InvalidUsage, KeyNotFound,
                      LedgerError, LimiterUnavailable, PricingError, RateLimited, StoreUnavailable)
 from .fleet_cost import FleetCostMeter, FleetYield, ReplicaYield, TierYield
+from .journal import Journal
+from .keys import ApiKey, CreatedKey, KeyStore
+from .ledger import Ledger
 from .price_book import PriceBook
+from .ratelimit import RateDecision, RateLimiter
+from .record import LedgerRecord, Outcome
+from .report import SuccessRow, UsageRow, export_csv, success_report, usage_report
+from .stores import LedgerStore, RedisStore, SQLiteStore
 
 __all__ = [
     "Cost", "FleetCostMeter", "FleetYield", "InsufficientQuota", "InvalidApiKey", "InvalidPrice",
     "InvalidUsage", "KeyNotFound", "LedgerConfig", "LedgerError", "LimiterUnavailable",
     "LimitsConfig", "PriceBook", "PricingConfig", "PricingError", "RateLimited", "ReplicaCost",
     "ReplicaYield", "ResolvedTierPrice", "StoreUnavailable", "TierPrice", "TierYield", "Usage",
-    "WIRE_ENCODER",
+    "WIRE_ENCODER", "Journal", "Ledger", "LedgerRecord", "LedgerStore", "Outcome", "RedisStore",
+    "SQLiteStore", "ApiKey", "BudgetEnforcer", "BudgetStatus", "CreatedKey", "KeyStore",
+    "RateDecision", "RateLimiter", "Reservation", "CacheAdvisor", "Divergence", "KeyCacheReport",
+    "common_prefix_len", "diagnose", "SuccessRow", "UsageRow", "export_csv", "success_report", "usage_report",
 ]

@@ -79,8 +79,10 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # "open": admit requests when Redis is unreachable (availability over enforcement);
     # "closed": reject them with LimiterUnavailable (enforcement over availability).
     on_redis_error: Literal["open", "closed"] = "open"
-    # HMAC pepper for API-key hashes; the lead should fill it from env/secret file, never TOML in git.
-    key_pepper: str = "yieldgate-dev-pepper"
+    # HMAC pepper for API-key hashes. Empty: the gateway creates a random one in
+    # <data_dir>/key-pepper (mode 0600). Gateways on several hosts sharing Redis must share it:
+    # set YIELDGATE_PRICING__LIMITS__KEY_PEPPER from a secret store, never TOML in git.
+    key_pepper: str = ""
     key_cache_ttl_s: float = 5.0          # revocation reaches every gateway within this time
     reservation_ttl_s: int = 600          # a budget reservation never settled is released after this
     rate_window_s: int = 60

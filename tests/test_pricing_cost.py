@@ -21,6 +21,11 @@ cached_input = "0.04"
 output = "1.60"
 [replicas.std-0]
 hourly_usd = "3.60"
+[ledger]
+journal_dir = "/tmp/yg-ledger"
+store = "redis"
+[limits]
+on_redis_error = "closed"
 '''
 
 
@@ -38,6 +43,10 @@ def test_toml_config_and_default_fallback():
     assert book.price("demo", "fast").output == Decimal("4.00")
     assert book.price("other-model", "standard").input == Decimal("0.50")
     assert book.tiers("demo") == ["fast", "standard"]
+    config = msgspec.toml.decode(TOML, type=PricingConfig)
+    assert (config.ledger.store, config.limits.on_redis_error) == ("redis", "closed")
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.toml.decode(b'[limits]\non_redis_error = "maybe"', type=PricingConfig)
 
 
 def test_cost_breakdown_is_exact():

@@ -1,0 +1,146 @@
+"""API keys: created and revoked by the admin API / CLI, stored hashed in Redis (one hash per key)
+so several gateways share them.
+
+Secrets look like `yg-<key id>-<random>` and are shown once. Redis keeps only
+HMAC-SHA256(pepper, secret); authentication recomputes it and compares with hmac.compare_digest.
+Authenticated keys are cached per process for cache_ttl_s, so revocation reaches every gateway
+within that time and the hot path usually skips the Redis round trip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Literal
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from .config import LimitsConfig
+from .errors import InvalidApiKey, KeyNotFound, LimiterUnavailable
+
+SECRET_PREFIX = "yg-"
+BudgetKind = Literal["hard", "soft"]
+BudgetPeriod = Literal["daily", "monthly", "total"]
+_DEC = msgspec.json.Decoder()
+
+
+class ApiKey(msgspec.Struct, kw_only=True):
+    id: str
+    team: str = ""
+    name: str = ""
+    budget_usd: Decimal | None = None       # None: no budget
+    budget_kind: BudgetKind = "hard"        # hard rejects (429 insufficient_quota), soft only flags
+    budget_period: BudgetPeriod = "monthly"  # UTC calendar day / month, or lifetime
+    rpm: int | None = None                  # requests per minute, None: unlimited
+    tpm: int | None = None                  # tokens per minute, None: unlimited
+    created_at: float = 0.0
+    revoked: bool = False
+
+
+class CreatedKey(msgspec.Struct):
+    key: ApiKey
+    secret: str  # shown once; only its HMAC is stored
+
+
+class KeyStore:
+    def __init__(self, redis: aioredis.Redis, *, pepper: str | bytes, prefix: str = "yg:",
+                 cache_ttl_s: float = 5.0, on_redis_error: Literal["open", "closed"] = "open",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self._pepper = pepper.encode() if isinstance(pepper, str) else pepper
+        self.cache_ttl_s = cache_ttl_s
+        self.on_redis_error = on_redis_error
+        self._clock = clock
+        self._cache: dict[str, tuple[float, ApiKey, str]] = {}  # id -> (fetched_at, key, digest)
+
+    @classmethod
+    def from_config(cls, config: LimitsConfig, redis: aioredis.Redis | None = None) -> KeyStore:
+        return cls(redis or aioredis.Redis.from_url(config.redis_url), pepper=config.key_pepper,
+                   prefix=config.prefix, cache_ttl_s=config.key_cache_ttl_s,
+                   on_redis_error=config.on_redis_error)
+
+    def _k(self, key_id: str) -> str:
+        return f"{self.prefix}key:{key_id}"
+
+    def digest(self, secret: str) -> str:
+        return hmac.new(self._pepper, secret.encode(), hashlib.sha256).hexdigest()
+
+    async def create(self, team: str = "", *, name: str = "", budget_usd: Decimal | str | None = None,
+                     budget_kind: BudgetKind = "hard", budget_period: BudgetPeriod = "monthly",
+                     rpm: int | None = None, tpm: int | None = None) -> CreatedKey:
+        key = ApiKey(id=secrets.token_hex(6), team=team, name=name,
+                     budget_usd=None if budget_usd is None else Decimal(budget_usd),
+                     budget_kind=budget_kind, budget_period=budget_period, rpm=rpm, tpm=tpm,
+                     created_at=time.time())
+        secret = f"{SECRET_PREFIX}{key.id}-{secrets.token_urlsafe(24)}"
+        await self.redis.hset(self._k(key.id), mapping={
+            "doc": msgspec.json.encode(key), "hash": self.digest(secret), "team": team})
+        await self.redis.sadd(self.prefix + "keys", key.id)
+        return CreatedKey(key=key, secret=secret)
+
+    async def get(self, key_id: str) -> ApiKey:
+        doc = await self.redis.hget(self._k(key_id), "doc")
+        if doc is None:
+            raise KeyNotFound(key_id)
+        return msgspec.json.decode(doc, type=ApiKey)
+
+    async def update(self, key_id: str, **changes: object) -> ApiKey:
+        """Change budget/limits/team of an existing key (admin API)."""
+        key = msgspec.structs.replace(await self.get(key_id), **changes)
+        key = msgspec.convert(msgspec.to_builtins(key), ApiKey)  # re-validate field types
+        await self.redis.hset(self._k(key_id), mapping={"doc": msgspec.json.encode(key), "team": key.team})
+        self._cache.pop(key_id, None)
+        return key
+
+    async def revoke(self, key_id: str) -> ApiKey:
+        return await self.update(key_id, revoked=True)
+
+    async def list(self, team: str | None = None) -> list[ApiKey]:
+        ids = sorted(i.decode() for i in await self.redis.smembers(self.prefix + "keys"))
+        docs = [await self.redis.hget(self._k(i), "doc") for i in ids]
+        keys = [msgspec.json.decode(d, type=ApiKey) for d in docs if d]
+        return [k for k in keys if team is None or k.team == team]
+
+    async def authenticate(self, secret: str) -> ApiKey:
+        """The active key whose secret this is; InvalidApiKey otherwise."""
+        if not secret.startswith(SECRET_PREFIX):
+            raise InvalidApiKey("malformed API key")
+        key_id = secret[len(SECRET_PREFIX):].split("-", 1)[0]
+        presented = self.digest(secret)
+        cached = self._cache.get(key_id)
+        if cached is None or self._clock() - cached[0] > self.cache_ttl_s:
+            try:
+                doc, stored = await self.redis.hmget(self._k(key_id), ["doc", "hash"])
+            except (RedisError, OSError) as e:
+                # A stale cached key is better than refusing everyone while Redis blips ("open").
+                if cached is not None and self.on_redis_error == "open":
+                    return self._check(cached[1], cached[2], presented)
+                raise LimiterUnavailable(f"key store unreachable: {e}") from e
+            if doc is None:
+                raise InvalidApiKey("unknown API key")
+            if len(self._cache) > 100_000:
+                self._cache.clear()  # bound memory under key-id spraying
+            cached = (self._clock(), msgspec.json.decode(doc, type=ApiKey), stored.decode())
+            self._cache[key_id] = cached
+        return self._check(cached[1], cached[2], presented)
+
+    @staticmethod
+    def _check(key: ApiKey, stored: str, presented: str) -> ApiKey:
+        if not hmac.compare_digest(stored, presented):
+            raise InvalidApiKey("unknown API key")
+        if key.revoked:
+            raise InvalidApiKey("API key revoked")
+        return key
+
+    async def delete_all(self) -> None:
+        """Remove every key under this prefix (tests)."""
+        for i in await self.redis.smembers(self.prefix + "keys"):
+            await self.redis.delete(self._k(i.decode()))
+        await self.redis.delete(self.prefix + "keys")

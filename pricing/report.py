@@ -1,0 +1,156 @@
+"""Ledger reports computed over a store scan, identical for every backend: spend and tokens by
+any dimension, success rate / $ per success (intelligence per dollar), CSV export."""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Callable
+from decimal import Decimal
+from typing import TextIO
+
+import msgspec
+
+from .record import RECORD_FIELDS, LedgerRecord
+from .stores.base import LedgerStore
+
+ZERO = Decimal(0)
+
+
+def _day(r: LedgerRecord) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(r.ts))
+
+
+DIMENSIONS: dict[str, Callable[[LedgerRecord], str | None]] = {
+    "key_id": lambda r: r.key_id, "key": lambda r: r.key_id, "team": lambda r: r.team,
+    "model": lambda r: r.model, "tier": lambda r: r.tier, "replica": lambda r: r.replica,
+    "weight_version": lambda r: r.weight_version, "session_id": lambda r: r.session_id,
+    "status": lambda r: r.status, "day": _day,
+}
+
+
+def _key_fn(group_by: tuple[str, ...]) -> Callable[[LedgerRecord], tuple]:
+    unknown = [g for g in group_by if g not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"cannot group by {unknown}; choose from {sorted(DIMENSIONS)}")
+    getters = [DIMENSIONS[g] for g in group_by]
+    return lambda r: tuple(g(r) for g in getters)
+
+
+class UsageRow(msgspec.Struct):
+    group: dict[str, str | None]
+    requests: int = 0
+    errors: int = 0               # status != "ok"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_uncached_input: Decimal = ZERO
+    cost_cached_input: Decimal = ZERO
+    cost_output: Decimal = ZERO
+    cost_total: Decimal = ZERO
+
+
+async def usage_report(store: LedgerStore, group_by: tuple[str, ...], *, since: float | None = None,
+                       until: float | None = None, where: dict[str, str] | None = None) -> list[UsageRow]:
+    key = _key_fn(group_by)
+    filters = [(DIMENSIONS[k], v) for k, v in (where or {}).items()]
+    rows: dict[tuple, UsageRow] = {}
+    async for batch in store.scan(since, until):
+        for r in batch:
+            if any(get(r) != v for get, v in filters):
+                continue
+            k = key(r)
+            row = rows.get(k)
+            if row is None:
+                row = rows[k] = UsageRow(group=dict(zip(group_by, k)))
+            row.requests += 1
+            row.errors += r.status != "ok"
+            row.prompt_tokens += r.prompt_tokens
+            row.cached_tokens += r.cached_tokens
+            row.completion_tokens += r.completion_tokens
+            row.cost_uncached_input += r.cost_uncached_input
+            row.cost_cached_input += r.cost_cached_input
+            row.cost_output += r.cost_output
+            row.cost_total += r.cost_total
+    return [rows[k] for k in sorted(rows, key=lambda t: tuple("" if x is None else x for x in t))]
+
+
+class SuccessRow(msgspec.Struct):
+    group: dict[str, str | None]
+    requests: int = 0
+    spend_usd: Decimal = ZERO          # everything, graded or not
+    tasks_graded: int = 0              # distinct sessions / requests with an outcome
+    successes: int = 0
+    success_rate: float | None = None
+    graded_spend_usd: Decimal = ZERO
+    graded_tokens: int = 0
+    usd_per_success: Decimal | None = None    # spend on graded tasks / successes
+    tokens_per_success: float | None = None
+    mean_score: float | None = None
+
+
+async def success_report(store: LedgerStore, group_by: tuple[str, ...], *,
+                         since: float | None = None, until: float | None = None) -> list[SuccessRow]:
+    """A task is a session when the request has a session_id, else the request itself. A session's
+    outcome covers all its requests; otherwise a request-level outcome applies."""
+    key = _key_fn(group_by)
+    rows: dict[tuple, SuccessRow] = {}
+    # (group, task kind, task id) -> [spend, tokens]
+    tasks: dict[tuple[tuple, str, str], list] = {}
+    session_of: dict[str, str | None] = {}
+    async for batch in store.scan(since, until):
+        for r in batch:
+            k = key(r)
+            row = rows.get(k)
+            if row is None:
+                row = rows[k] = SuccessRow(group=dict(zip(group_by, k)))
+            row.requests += 1
+            row.spend_usd += r.cost_total
+            for kind, tid in (("session", r.session_id), ("request", r.request_id)):
+                if tid:
+                    t = tasks.setdefault((k, kind, tid), [ZERO, 0])
+                    t[0] += r.cost_total
+                    t[1] += r.total_tokens
+            session_of[r.request_id] = r.session_id
+    sessions = {s for s in session_of.values() if s}
+    by_session = await store.get_outcomes("session", sessions) if sessions else {}
+    by_request = await store.get_outcomes("request", session_of) if session_of else {}
+    scores: dict[tuple, list[float]] = {}
+    # Sessions with an outcome first; their requests are then not graded again individually.
+    for (k, kind, tid), (spend, tokens) in tasks.items():
+        if kind == "session" and tid in by_session:
+            _grade(rows[k], by_session[tid], spend, tokens, scores.setdefault(k, []))
+    for (k, kind, tid), (spend, tokens) in tasks.items():
+        if kind == "request" and tid in by_request and session_of.get(tid) not in by_session:
+            _grade(rows[k], by_request[tid], spend, tokens, scores.setdefault(k, []))
+    for k, row in rows.items():
+        if row.tasks_graded:
+            row.success_rate = row.successes / row.tasks_graded
+        if row.successes:
+            row.usd_per_success = row.graded_spend_usd / row.successes
+            row.tokens_per_success = row.graded_tokens / row.successes
+        if scores.get(k):
+            row.mean_score = sum(scores[k]) / len(scores[k])
+    return [rows[k] for k in sorted(rows, key=lambda t: tuple("" if x is None else x for x in t))]
+
+
+def _grade(row: SuccessRow, outcome, spend: Decimal, tokens: int, scores: list[float]) -> None:
+    row.tasks_graded += 1
+    row.successes += outcome.passed
+    row.graded_spend_usd += spend
+    row.graded_tokens += tokens
+    if outcome.score is not None:
+        scores.append(outcome.score)
+
+
+async def export_csv(store: LedgerStore, out: TextIO, *, since: float | None = None,
+                     until: float | None = None) -> int:
+    """Write every record in [since, until) as CSV (header = LedgerRecord fields); Decimals exact."""
+    writer = csv.writer(out)
+    writer.writerow(RECORD_FIELDS)
+    n = 0
+    async for batch in store.scan(since, until):
+        for r in batch:
+            writer.writerow(["" if (v := getattr(r, f)) is None else v for f in RECORD_FIELDS])
+            n += 1
+    return n

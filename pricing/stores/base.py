@@ -1,0 +1,35 @@
+"""The LedgerStore protocol every backend implements."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from ..record import LedgerRecord, Outcome, OutcomeTarget
+
+
+@runtime_checkable
+class LedgerStore(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def upsert(self, records: Sequence[LedgerRecord]) -> int:
+        """Store records idempotently by request_id (first write wins); return how many were new.
+        Raise StoreUnavailable when the backend cannot be reached."""
+        ...
+
+    async def get(self, request_id: str) -> LedgerRecord | None: ...
+
+    async def count(self) -> int: ...
+
+    def scan(self, since: float | None = None, until: float | None = None,
+             batch: int = 1000) -> AsyncIterator[list[LedgerRecord]]:
+        """Records with since <= ts < until, in batches."""
+        ...
+
+    async def put_outcome(self, outcome: Outcome) -> None:
+        """Attach (or replace) the outcome of a request or session."""
+        ...
+
+    async def get_outcomes(self, target: OutcomeTarget, ids: Iterable[str]) -> dict[str, Outcome]: ...
