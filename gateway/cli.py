@@ -12,6 +12,8 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, home_dir, load_config
+from loadtest.cli import loadtest
+
 from .keys_cli import keys_app, spend
 
 app = typer.Typer(help="yieldgate: inference-economics gateway for vLLM fleets.", no_args_is_help=True)
@@ -19,6 +21,7 @@ model_app = typer.Typer(help="The generated demo model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.command("spend")(spend)
+app.command("loadtest", help="Load-test any OpenAI-compatible URL (see loadtest/README.md).")(loadtest)
 console = Console(stderr=True)
 
 

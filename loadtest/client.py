@@ -18,7 +18,7 @@ class _Details(msgspec.Struct):
 
 
 class _Cost(msgspec.Struct):
-    total: float | None = None
+    total: float | str | None = None  # the gateway writes a Decimal; accept it as number or string
 
 
 class _Usage(msgspec.Struct):
@@ -74,8 +74,8 @@ class Outcome(msgspec.Struct, kw_only=True):
     def cost(self) -> float | None:
         c = self.usage.cost if self.usage else None
         if isinstance(c, _Cost):
-            return c.total
-        return c
+            c = c.total
+        return float(c) if c is not None else None
 
 
 def _choice_text(choice: _Choice) -> str | None:

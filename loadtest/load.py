@@ -10,7 +10,7 @@ class Bounds(msgspec.Struct, kw_only=True):
 
     requests: int | None = 100  # measured requests, warm-up not included
     duration_s: float | None = None
-    warmup_requests: int = 0  # sent first, excluded from every statistic
+    warmup_requests: int = 0  # sent first under the same load, finished before measuring starts
     timeout_s: float = 120.0  # per request, end to end
     drain_timeout_s: float = 60.0  # how long to wait for in-flight requests after the last send
 
@@ -19,13 +19,17 @@ class Bounds(msgspec.Struct, kw_only=True):
             raise ValueError("Bounds needs requests or duration_s")
 
 
-class ConcurrencyLoad(msgspec.Struct, tag="concurrency", kw_only=True):
-    """Closed loop: `concurrency` workers each send their next request as soon as one finishes."""
+class ConcurrencyLoad(msgspec.Struct, tag="concurrency", tag_field="kind", kw_only=True):
+    """Closed loop: `concurrency` workers each send their next request as soon as one finishes.
+
+    With multi-turn workloads a worker runs a whole session (think times included), so this is
+    the number of concurrent users.
+    """
 
     concurrency: int = 8
 
 
-class PoissonLoad(msgspec.Struct, tag="poisson", kw_only=True):
+class PoissonLoad(msgspec.Struct, tag="poisson", tag_field="kind", kw_only=True):
     """Open loop at `rate` req/s (sessions/s for multi-turn workloads).
 
     Inter-arrival gaps are gamma(shape=burstiness, mean=1/rate), as `vllm bench serve --burstiness`:
@@ -37,14 +41,14 @@ class PoissonLoad(msgspec.Struct, tag="poisson", kw_only=True):
     max_concurrency: int | None = None
 
 
-class ReplayLoad(msgspec.Struct, tag="replay", kw_only=True):
+class ReplayLoad(msgspec.Struct, tag="replay", tag_field="kind", kw_only=True):
     """Send each session at its trace timestamp, divided by `speedup`."""
 
     speedup: float = 1.0
     max_concurrency: int | None = None
 
 
-class SweepLoad(msgspec.Struct, tag="sweep", kw_only=True):
+class SweepLoad(msgspec.Struct, tag="sweep", tag_field="kind", kw_only=True):
     """Step the open-loop rate up until the target saturates.
 
     Rates come from `rates`, else start_rate * factor**k up to max_rate. A sweep stops early when

@@ -44,6 +44,13 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
             return 1000.0 / self.tpot_ms
         return None
 
+    @property
+    def e2e_output_tps(self) -> float | None:
+        """Output tokens over the whole request time; robust when a server streams tokens in bursts."""
+        if self.e2e_ms and self.completion_tokens:
+            return self.completion_tokens * 1000.0 / self.e2e_ms
+        return None
+
     def slo_metrics(self) -> dict[str, float | None]:
         itl_max = max(self.itl_ms) if self.itl_ms else None
         return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms, "itl_ms": itl_max}

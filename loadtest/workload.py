@@ -83,7 +83,7 @@ def _spread(rng: random.Random, mean: int, range_ratio: float, dist: str) -> int
     return rng.randint(low, high)
 
 
-class _Base(msgspec.Struct, kw_only=True):
+class _Base(msgspec.Struct, kw_only=True, tag_field="kind"):
     seed: int = 0
     words_per_token: float = DEFAULT_WORDS_PER_TOKEN
 
@@ -99,7 +99,7 @@ class _Base(msgspec.Struct, kw_only=True):
         return [s for _, s in zip(range(n), it)]
 
     def describe(self) -> dict:
-        return {"kind": type(self).__struct_config__.tag, **msgspec.to_builtins(self)}
+        return msgspec.to_builtins(self)  # tagged: includes "kind"
 
 
 class SharedPrefixWorkload(_Base, tag="shared_prefix"):
