@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import msgspec
@@ -24,6 +24,7 @@ from .accounting import Accounting, RequestContext, Usage
 from .config import Config
 from .errors import (APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ServiceUnavailable,
                      UpstreamError, error_body, param_from_msgspec)
+from .limits import StreamLimiter, stream_owner
 from .routing import Routing
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventSplitter, data_event, events
@@ -46,6 +47,7 @@ class Proxy:
         self.routing = routing
         self.accounting = accounting
         self.session: aiohttp.ClientSession | None = None
+        self.streams = StreamLimiter(config.limits.streams_per_key)
 
     async def start(self) -> None:
         limits = self.config.limits
@@ -86,6 +88,8 @@ class Proxy:
             raw = _decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:  # msgspec refuses nesting deeper than ~1000 levels
+            raise InvalidRequest("Request body is nested too deeply.", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
         try:
@@ -117,9 +121,10 @@ class Proxy:
             kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
             session_id=request.headers.get("x-session-id") or typed.user or "",
             key=getattr(request.state, "api_key", None),
-            max_tokens=typed.output_limit,
+            max_tokens=typed.output_limit, typed=typed,
         )
         await self.accounting.admit(ctx)
+        ctx.route = self.routing.prepare(ctx, raw)
         raw["model"] = model
         want_usage = bool(typed.stream_options and typed.stream_options.include_usage)
         if typed.stream:
@@ -131,7 +136,8 @@ class Proxy:
         payload = _encode(raw)
         try:
             if typed.stream:
-                return await self._stream(ctx, typed, payload, want_usage)
+                owner = stream_owner(ctx.key, request.client.host if request.client else None)
+                return await self._stream(ctx, typed, payload, want_usage, owner)
             return await self._unary(ctx, typed, payload)
         except BaseException:
             if not ctx.finished:
@@ -148,7 +154,7 @@ class Proxy:
             candidates = [r for r in routable if r.name not in failed] or routable
             if not candidates:
                 break
-            decision = self.routing.pick(ctx, typed, candidates)
+            decision = self.routing.pick(ctx, ctx.route, candidates)
             replica = decision.replica
             ctx.bind(replica, decision.predicted_cached_tokens)
             replica.inflight += 1
@@ -156,6 +162,7 @@ class Proxy:
                 resp = await self.session.post(
                     replica.url + _PATHS[ctx.kind], data=payload,
                     headers={"content-type": "application/json", "x-request-id": ctx.request_id})
+                self.routing.observe(ctx, decision)
                 return replica, resp
             except _RETRYABLE as exc:
                 replica.inflight -= 1
@@ -198,9 +205,16 @@ class Proxy:
         self._decorate(answer, ctx, usage, extra)
         return Response(_encode(answer), media_type="application/json", headers=self._headers(ctx, extra))
 
-    async def _stream(self, ctx: RequestContext, typed: Any, payload: bytes, want_usage: bool) -> Response:
-        replica, resp = await self._open(ctx, typed, payload)
+    async def _stream(self, ctx: RequestContext, typed: Any, payload: bytes, want_usage: bool,
+                      owner: str) -> Response:
+        lease = self.streams.acquire(owner)  # 429 when this key already holds too many streams
+        try:
+            replica, resp = await self._open(ctx, typed, payload)
+        except BaseException:
+            lease.release()
+            raise
         if resp.status != 200:
+            lease.release()
             try:
                 data = await resp.read()
             finally:
@@ -208,14 +222,29 @@ class Proxy:
                 resp.release()
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return _upstream_error(resp.status, data)
-        return StreamingResponse(
-            self._relay(ctx, replica, resp, want_usage),
+        ended = False
+
+        def end(status: str, usage: Usage | None) -> None:
+            # Once per stream, whether the relay ran to the end, failed, or never started because
+            # the client left before the first byte.
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            lease.release()
+            replica.inflight -= 1
+            resp.close()  # closing the connection makes vLLM abort the request if unfinished
+            if not ctx.finished:
+                self.accounting.finish(ctx, usage, status)
+
+        return _RelayResponse(
+            self._relay(ctx, replica, resp, want_usage, end), end,
             media_type="text/event-stream",
             headers={**self._headers(ctx, None), "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
     async def _relay(self, ctx: RequestContext, replica: Replica, resp: aiohttp.ClientResponse,
-                     want_usage: bool) -> AsyncIterator[bytes]:
+                     want_usage: bool, end: Callable[[str, Usage | None], None]) -> AsyncIterator[bytes]:
         splitter = EventSplitter()
         usage: Usage | None = None
         status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
@@ -253,10 +282,7 @@ class Proxy:
                                         "upstream_error", None, "upstream_error"))
             yield DONE
         finally:
-            replica.inflight -= 1
-            resp.close()  # closing the connection makes vLLM abort the request if unfinished
-            if not ctx.finished:
-                self.accounting.finish(ctx, usage, status)
+            end(status, usage)
 
     def _usage_event(self, ctx: RequestContext, payload: bytes, want_usage: bool) -> tuple[Usage, bytes | None]:
         chunk = _decode(payload)
@@ -289,6 +315,20 @@ class Proxy:
         if ctx.cost_header:
             headers["x-yieldgate-cost-usd"] = ctx.cost_header
         return headers
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response that always runs its `end` callback, even if it never streamed."""
+
+    def __init__(self, content: AsyncIterator[bytes], end: Callable[[str, Any], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._end("aborted", None)
 
 
 def _upstream_error(status: int, data: bytes) -> Response:

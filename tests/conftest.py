@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-GATEWAY_PORT = 18000
-ENGINE_BASE_PORT = 18101
-KV_BASE_PORT = 15557
+# YIELDGATE_TEST_PORT_BASE moves every port of the test stack (two suites on one machine).
+GATEWAY_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
+ENGINE_BASE_PORT = GATEWAY_PORT + 101
+KV_BASE_PORT = GATEWAY_PORT + 121
 STARTUP_TIMEOUT_S = 900
 
 

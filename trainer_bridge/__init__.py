@@ -1,0 +1,52 @@
+"""Push post-trained weights into running vLLM engines: chunked, checksummed, versioned.
+
+Engine side: the `yieldgate` weight-transfer backend (entry point `vllm.general_plugins:
+yieldgate = trainer_bridge.plugin:register`), selected with
+`--weight-transfer-config '{"backend":"yieldgate"}'`. Trainer side: `push()` and friends below.
+"""
+
+from trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
+from trainer_bridge.config import BridgeConfig
+from trainer_bridge.engine_client import EngineClient
+from trainer_bridge.errors import (
+    BridgeError,
+    ChecksumMismatch,
+    EngineRequestError,
+    PushFailed,
+    PushRefused,
+    RolloutFailed,
+    TransferError,
+)
+from trainer_bridge.push import (
+    PushReport,
+    arm_engine,
+    engine_weight_version,
+    make_push_token,
+    push,
+    push_to_engine,
+    reload_from_checkpoint,
+)
+from trainer_bridge.weights import WeightSet, checkpoint_name
+
+__all__ = [
+    "BridgeConfig",
+    "BridgeError",
+    "CheckpointStore",
+    "ChecksumMismatch",
+    "EngineClient",
+    "EngineRequestError",
+    "PushFailed",
+    "PushRefused",
+    "PushReport",
+    "RolloutFailed",
+    "TransferError",
+    "WeightSet",
+    "arm_engine",
+    "checkpoint_name",
+    "engine_weight_version",
+    "make_push_token",
+    "push",
+    "push_to_engine",
+    "reload_from_checkpoint",
+    "write_checkpoint",
+]

@@ -51,15 +51,23 @@ def _xxh32(data: memoryview) -> int:
     return xxhash.xxh32_intdigest(data)
 
 
-CHECKSUMS: dict[str, Callable[[memoryview], int]] = {"crc32": _crc32, "xxh32": _xxh32}
+def _xxh3(data: memoryview) -> int:
+    import xxhash
+
+    # The header has 32 bits for the checksum; xxh3 is ~7x faster than zlib's crc32 here.
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+CHECKSUMS: dict[str, Callable[[memoryview], int]] = {"crc32": _crc32, "xxh32": _xxh32, "xxh3": _xxh3}
 
 
 def default_checksum() -> str:
+    """xxh3 when the xxhash package is installed (trainer and engines share the venv), else crc32."""
     try:
         import xxhash  # noqa: F401
     except ImportError:
         return "crc32"
-    return "xxh32"
+    return "xxh3"
 
 
 def chunk_tag(token: str, session: bytes, signed: bytes) -> bytes:

@@ -1,0 +1,303 @@
+"""Faults a gateway meets in production, against a vLLM engine this module starts for itself:
+clients that leave mid-stream, clients that read slowly, and an engine SIGKILLed under load.
+
+One engine start (~60-90 s here) and one restart for the whole module; the kill test runs last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import Config
+from serving.config import FleetConfig, LaunchSpec, ReplicaConfig
+from serving.launcher import Launcher
+
+CHAOS_PORT = 18201
+ENGINE_ARGS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--max-num-seqs", "32",
+               "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+
+
+def engine_metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name in (name, name + "_total"))
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ChaosEngine:
+    """One vLLM engine started through serving.Launcher, so it can be killed and started again."""
+
+    def __init__(self, model_dir: Path, log_dir: Path):
+        self.replica = ReplicaConfig(name="chaos-0", tier="standard",
+                                     launch=LaunchSpec(port=CHAOS_PORT, args=ENGINE_ARGS, startup_timeout_s=300))
+        self.fleet = FleetConfig(model="demo", replicas=[self.replica])
+        self.model_dir, self.log_dir = str(model_dir), log_dir
+        self.launcher: Launcher | None = None
+
+    @property
+    def url(self) -> str:
+        return self.replica.base_url
+
+    def start(self) -> None:
+        self.launcher = Launcher(self.fleet, self.model_dir, self.log_dir)
+        self.launcher.start()
+        self.launcher.wait_healthy(timeout=300)
+
+    def sigkill(self) -> None:
+        assert self.launcher is not None
+        os.killpg(self.launcher.engines[0].process.pid, signal.SIGKILL)
+        self.launcher.engines[0].process.wait(10)
+
+    def stop(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def chaos_engine(stack, tmp_path_factory):
+    engine = ChaosEngine(stack.model_dir, tmp_path_factory.mktemp("chaos-logs"))
+    try:
+        engine.start()
+        yield engine
+    finally:
+        engine.stop()
+
+
+def gateway_config(stack, *urls: tuple[str, str], **limits) -> Config:
+    config = Config(fleet=FleetConfig(model=stack.model, health_interval_s=0.5, replicas=[
+        ReplicaConfig(name=name, tier="standard", url=url) for name, url in urls]))
+    for key, value in limits.items():
+        setattr(config.limits, key, value)
+    return config
+
+
+# -- a client that leaves ----------------------------------------------------------------------
+
+def test_client_disconnect_aborts_the_engine_request(stack, chaos_engine, gateway_factory):
+    gw = gateway_factory(gateway_config(stack, ("chaos-0", chaos_engine.url)))
+    before = engine_metric(chaos_engine.url, "vllm:generation_tokens")
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", gw.url + "/v1/chat/completions", json={
+                "model": "demo", "messages": [{"role": "user", "content": "go on forever"}],
+                "max_tokens": 2000, "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200
+            events = 0
+            for line in resp.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 3:
+                    break
+    # The gateway closed its upstream connection; vLLM aborts the request on disconnect.
+    wait_until(lambda: engine_metric(chaos_engine.url, "vllm:num_requests_running") == 0, 30,
+               "the engine to stop running the abandoned request")
+    generated = engine_metric(chaos_engine.url, "vllm:generation_tokens") - before
+    print(f"\n[chaos] tokens generated for an abandoned 2000-token stream: {generated:.0f}")
+    assert 2 <= generated < 1000  # 3 events read: the role chunk and two tokens
+    assert wait_until(lambda: gw.gateway.fleet.replicas["chaos-0"].inflight == 0, 10, "inflight back to 0")
+
+
+# -- a client that reads slowly ------------------------------------------------------------------
+
+class CountingRelay:
+    """TCP relay gateway -> engine counting, per connection, the bytes sent towards the gateway."""
+
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.sent: dict[int, int] = {}
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                down, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target_port))
+            conn = len(self.sent)
+            self.sent[conn] = 0
+            threading.Thread(target=self._pump, args=(down, up, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, conn), daemon=True).start()
+
+    @property
+    def to_gateway(self) -> int:
+        # The stream's connection; health probes and /metrics scrapes use other, smaller ones.
+        return max(self.sent.values(), default=0)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, conn: int | None) -> None:
+        try:
+            while data := src.recv(16384):
+                dst.sendall(data)  # blocks while the gateway does not read: backpressure passes
+                if conn is not None:
+                    self.sent[conn] += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.sock.close()
+
+
+def kernel_queued(*ports: int) -> int:
+    """Bytes in kernel socket queues (Recv-Q + Send-Q) of every TCP socket on these ports."""
+    filt = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
+    out = subprocess.run(["ss", "-tnH", "state", "established", f"( {filt} )"],
+                         capture_output=True, text=True, check=True).stdout
+    total = 0
+    for line in out.splitlines():
+        fields = line.split()
+        total += int(fields[0]) + int(fields[1])
+    return total
+
+
+def test_slow_client_does_not_make_the_gateway_buffer(stack, chaos_engine, gateway_factory):
+    relay = CountingRelay(CHAOS_PORT)
+    gw = gateway_factory(gateway_config(stack, ("chaos-0", f"http://127.0.0.1:{relay.port}")))
+    body = (b'{"model":"demo","stream":true,"max_tokens":3000,"ignore_eos":true,"logprobs":true,'
+            b'"top_logprobs":20,"messages":[{"role":"user","content":"talk"}]}')
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # a slow reader with a small window
+    client.connect(("127.0.0.1", gw.port))
+    client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = client.recv(4096)
+    gen_before = engine_metric(chaos_engine.url, "vllm:generation_tokens")
+    try:
+        # Stop reading while the engine generates all 3000 tokens.
+        wait_until(lambda: engine_metric(chaos_engine.url, "vllm:num_requests_running") == 0
+                   and engine_metric(chaos_engine.url, "vllm:generation_tokens") > gen_before, 120,
+                   "the engine to finish generating", interval=0.5)
+        time.sleep(1.0)
+        taken_while_paused = relay.to_gateway
+        in_kernel = kernel_queued(gw.port, relay.port)
+        # What the relay sent and the client has not read sits in socket queues or in the gateway.
+        held = taken_while_paused - len(received) - in_kernel
+        client.settimeout(60)
+        while not received.endswith(b"0\r\n\r\n"):  # the chunked stream's last chunk
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    finally:
+        client.close()
+        relay.close()
+    total = len(received)
+    print(f"\n[chaos] slow client: stream {total / 1e6:.1f} MB; while the client was not reading, "
+          f"{taken_while_paused / 1e6:.2f} MB left the engine, {in_kernel / 1e6:.2f} MB sat in kernel socket "
+          f"queues, {held / 1e3:.0f} kB in the gateway process")
+    assert b"data: [DONE]" in received
+    assert total > 3_000_000, "the stream must be much larger than any buffer for this to mean anything"
+    # Backpressure: the gateway holds what its aiohttp reader and uvicorn writer buffer (~64 kB
+    # each) plus one chunk in hand, not the stream.
+    assert held < 1_000_000
+
+
+# -- an engine that dies under load --------------------------------------------------------------
+
+def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
+    gw = gateway_factory(gateway_config(stack, ("chaos-0", chaos_engine.url), ("std-1", stack.engines["standard"])))
+    fleet = gw.gateway.fleet
+    wait_until(lambda: all(r.healthy for r in fleet.replicas.values()), 20, "both replicas healthy")
+    stop = threading.Event()
+    unary: list[tuple[int, str, str]] = []
+    streams: list[tuple[int, str, bytes]] = []
+    url = gw.url + "/v1/chat/completions"
+
+    def unary_worker(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    r = http.post(url, json={"model": "demo", "max_tokens": 24, "ignore_eos": True,
+                                             "messages": [{"role": "user", "content": f"unary {i} {n}"}]})
+                    unary.append((r.status_code, r.headers.get("x-yieldgate-replica", ""), r.text[:300]))
+                except httpx.HTTPError as exc:
+                    unary.append((0, "", repr(exc)))
+
+    def stream_worker(i: int) -> None:
+        with httpx.Client(timeout=120) as http:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    with http.stream("POST", url, json={
+                            "model": "demo", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                            "messages": [{"role": "user", "content": f"stream {i} {n}"}]}) as r:
+                        streams.append((r.status_code, r.headers.get("x-yieldgate-replica", ""), r.read()))
+                except httpx.HTTPError as exc:
+                    streams.append((0, "", repr(exc).encode()))
+
+    threads = [threading.Thread(target=unary_worker, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=stream_worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        victim = fleet.replicas["chaos-0"]
+        wait_until(lambda: victim.inflight >= 3 and len(unary) >= 2, 60, "load on the victim replica")
+        inflight_at_kill = victim.inflight
+        chaos_engine.sigkill()
+        killed_at = time.monotonic()
+        wait_until(lambda: not victim.healthy, 10, "the gateway to eject the killed replica")
+        health = httpx.get(gw.url + "/healthz", timeout=10).json()
+        assert health["replicas"]["chaos-0"]["healthy"] is False and health["status"] == "ok"
+        wait_until(lambda: time.monotonic() - killed_at > 4, 10, "load after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(180)
+
+    failed_unary = [u for u in unary if u[0] != 200]
+    cut_streams = [s for s in streams if b'"upstream_error"' in s[2]]
+    print(f"\n[chaos] SIGKILL with {inflight_at_kill} requests in flight on the victim: "
+          f"{len(unary)} unary ({len(failed_unary)} failed), {len(streams)} streams "
+          f"({len(cut_streams)} cut mid-stream with an error event)")
+    assert failed_unary == []
+    for status, replica, body in streams:
+        assert status == 200, body[:300]
+        assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+        if b'"upstream_error"' in body:
+            assert replica == "chaos-0"
+            error_event = [line for line in body.split(b"\n\n") if b'"error"' in line][0]
+            assert error_event.startswith(b'data: {"error":{"message":')
+            assert b'"type":"upstream_error","param":null,"code":"upstream_error"' in error_event
+    assert cut_streams, "a stream was in flight on the killed replica"
+
+    # Re-admission: the health check brings the replica back once it answers again.
+    chaos_engine.start()
+    wait_until(lambda: victim.healthy, 30, "the gateway to re-admit the restarted replica")
+    assert httpx.get(gw.url + "/healthz", timeout=10).json()["replicas"]["chaos-0"]["healthy"] is True
+    served_by = {httpx.post(url, timeout=60, json={
+        "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": f"back {i}"}]}
+    ).headers["x-yieldgate-replica"] for i in range(4)}
+    assert "chaos-0" in served_by

@@ -1,0 +1,279 @@
+"""The trainer bridge against a real vLLM engine running the `yieldgate` weight-transfer plugin.
+
+Uses the session `stack`'s standard engine when that stack is already up (or
+YIELDGATE_TB_USE_STACK=1) and its engine runs the yieldgate backend; otherwise starts one engine
+of its own on port 8300 and stops it afterwards. Every test leaves the engine on known weights.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer_bridge import (
+    ChecksumMismatch,
+    EngineClient,
+    PushRefused,
+    RolloutFailed,
+    arm_engine,
+    engine_weight_version,
+    push_to_engine,
+    reload_from_checkpoint,
+)
+from trainer_bridge.checkpoint import CheckpointStore
+from trainer_bridge.rollout import EngineFleet, Rollout
+
+pytestmark = pytest.mark.engine
+
+OWN_PORT = 8300
+TOKEN = "tb-test-token-" + os.urandom(4).hex()
+PROMPT = "Once upon a time"
+# Long enough to fill several 32-token blocks, so a repeat would hit the prefix cache.
+LONG_PROMPT = " ".join(f"The quick brown fox number {i} jumps over the lazy dog." for i in range(30))
+
+
+def _start_own_engine(model_dir: Path, log_path: Path) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_SERVER_DEV_MODE="1",
+        PYTHONHASHSEED="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "demo",
+        "--host", "127.0.0.1", "--port", str(OWN_PORT),
+        "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "4096",
+        "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--weight-transfer-config", '{"backend":"yieldgate"}',
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen | None, log_path: Path | None, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"engine exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"engine at {url} not healthy after {timeout_s}s")
+
+
+def _stack_engine(request) -> tuple[str, Path] | None:
+    """The stack's standard engine, if the stack is (or may be) up and runs our backend."""
+    defs = request._fixturemanager.getfixturedefs("stack", request.node) or []
+    started = any(getattr(d, "cached_result", None) is not None for d in defs)
+    if not defs or not (started or os.environ.get("YIELDGATE_TB_USE_STACK") == "1"):
+        return None
+    stack = request.getfixturevalue("stack")
+    url = stack.engines["standard"]
+    if EngineClient(url).transfer_backend() != "yieldgate":
+        return None
+    try:
+        arm_engine(url, TOKEN, current_token=stack.extra.get("push_token"))
+    except PushRefused:
+        return None  # the gateway holds the push token: do not fight it
+    return url, Path(stack.model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(request, tmp_path_factory):
+    from serving.demo_model import ensure_demo_model
+
+    found = _stack_engine(request)
+    proc = None
+    if found is None:
+        model_dir = ensure_demo_model()
+        log_path = tmp_path_factory.mktemp("tb-engine") / "engine.log"
+        proc = _start_own_engine(model_dir, log_path)
+        url = f"http://127.0.0.1:{OWN_PORT}"
+        try:
+            _wait_healthy(url, proc, log_path)
+            arm_engine(url, TOKEN)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    else:
+        url, model_dir = found
+    try:
+        yield url, model_dir
+    finally:
+        if proc is None:
+            reload_from_checkpoint(url, model_dir, "default")  # hand the shared engine back clean
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def base_weights(engine) -> dict[str, torch.Tensor]:
+    return load_file(str(engine[1] / "model.safetensors"))
+
+
+def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+def complete(url: str, prompt: str = PROMPT, max_tokens: int = 12) -> dict:
+    resp = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    })
+    resp.raise_for_status()
+    return resp.json()
+
+
+def text(url: str) -> str:
+    return complete(url)["choices"][0]["text"]
+
+
+@pytest.fixture
+def on_base(engine, base_weights):
+    """Every test starts from the launch weights."""
+    url = engine[0]
+    push_to_engine(url, base_weights, "base", token=TOKEN)
+    return url
+
+
+def test_plugin_is_loaded_in_the_engine(engine):
+    url = engine[0]
+    assert EngineClient(url).transfer_backend() == "yieldgate"
+    assert isinstance(engine_weight_version(url), str)
+
+
+def test_push_changes_greedy_output_and_advances_version(on_base, base_weights):
+    url = on_base
+    before = text(url)
+    report = push_to_engine(url, perturbed(base_weights, 1), "v1", token=TOKEN)
+    assert report.bytes_per_engine > 0 and report.tensors == len(base_weights)
+    assert engine_weight_version(url) == "v1"
+    after = text(url)
+    assert after != before
+    # Pushing the original weights back reproduces the original output exactly.
+    push_to_engine(url, base_weights, "v2", token=TOKEN)
+    assert text(url) == before
+    assert engine_weight_version(url) == "v2"
+
+
+def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weights):
+    url = on_base
+    before = text(url)
+    with pytest.raises(ChecksumMismatch):
+        push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5)
+    assert engine_weight_version(url) == "base"
+    assert text(url) == before
+
+
+def test_unauthenticated_push_is_refused(on_base, base_weights):
+    url = on_base
+    before = text(url)
+    # Arming with another token is refused: the engine holds this rollout's token.
+    with pytest.raises(PushRefused):
+        push_to_engine(url, perturbed(base_weights, 3), "evil", token="not-the-token")
+    # Skipping the arming and streaming chunks signed with the wrong token: refused too.
+    with pytest.raises(PushRefused):
+        push_to_engine(url, perturbed(base_weights, 3), "evil", token="not-the-token", init=False)
+    assert engine_weight_version(url) == "base"
+    assert text(url) == before
+
+
+def test_update_resets_the_prefix_cache(on_base, base_weights):
+    url = on_base
+    complete(url, LONG_PROMPT, 1)
+    warm = complete(url, LONG_PROMPT, 1)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert warm > 0
+    push_to_engine(url, base_weights, "same-weights-new-version", token=TOKEN)
+    cold = complete(url, LONG_PROMPT, 1)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cold == 0
+
+
+def test_checkpoint_reload_fallback(engine, on_base, base_weights, tmp_path):
+    from trainer_bridge import write_checkpoint
+
+    url, model_dir = engine
+    before = text(url)
+    ckpt = write_checkpoint(perturbed(base_weights, 4), model_dir, tmp_path / "v4")
+    reload_from_checkpoint(url, ckpt, "v4")
+    assert engine_weight_version(url) == "v4"
+    assert text(url) != before
+
+
+async def test_rolling_rollout_advances_then_rolls_back_on_failed_eval(engine, on_base, base_weights, tmp_path):
+    url, model_dir = engine
+    before = text(url)
+    store = CheckpointStore(tmp_path / "versions", model_dir, keep=3)
+    store.adopt("base", model_dir)  # what on_base pushed
+    fleet = EngineFleet([url])
+    rollout = Rollout(fleet, store, current_token=TOKEN)
+    report = await rollout.run(perturbed(base_weights, 5), "r1")
+    assert report.methods == {url: "push"} and report.previous == {url: "base"}
+    assert engine_weight_version(url) == "r1"
+    r1_text = text(url)
+    assert r1_text != before and url in fleet.routable
+
+    async def reject(_replica: str) -> bool:
+        return False
+
+    rollout.evaluate = reject
+    with pytest.raises(RolloutFailed) as failure:
+        await rollout.run(perturbed(base_weights, 6), "r2")
+    assert "evaluation" in failure.value.reason
+    # Restored from the r1 checkpoint on disk and re-admitted.
+    assert engine_weight_version(url) == "r1"
+    assert text(url) == r1_text
+    assert url in fleet.routable
+
+    rollout.evaluate = None
+    rollout.mode = "all_at_once"
+    await rollout.run(perturbed(base_weights, 7), "r3")
+    assert engine_weight_version(url) == "r3"
+    assert store.versions() == ["base", "r1", "r3"]  # the rejected r2 was not kept
+    # Rollback to N-1 is one call.
+    assert await rollout.rollback() == "r1"
+    assert engine_weight_version(url) == "r1"
+    assert text(url) == r1_text
+    # Each rollout rotated the push token; hand the module's token back to the other tests.
+    assert rollout.token != TOKEN
+    arm_engine(url, TOKEN, current_token=rollout.token)
+
+
+def test_vllm_trainer_factory_drives_the_yieldgate_backend(engine, on_base):
+    """Code written against vLLM's own trainer-side API reaches the engine through our plugin."""
+    from transformers import LlamaForCausalLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import trainer_bridge.plugin
+    from trainer_bridge.trainer_engine import YieldgateTrainerInitInfo
+
+    trainer_bridge.plugin.register()
+    url, model_dir = engine
+    before = text(url)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # flips every logit's sign: greedy output must change
+    client = EngineClient(url)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        YieldgateTrainerInitInfo(rank=0, token=TOKEN), client=client, source=ModuleSource(model)
+    )
+    trainer.send_weights()
+    assert text(url) != before

@@ -1,0 +1,99 @@
+"""The trainer bridge's data plane without vLLM: sender and receiver over real loopback TCP."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from trainer_bridge import CheckpointStore, WeightSet, checkpoint_name
+from trainer_bridge.errors import ChecksumMismatch, PushRefused
+from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
+from trainer_bridge.sender import ChunkSender, StreamTarget
+
+
+def _weights() -> WeightSet:
+    g = torch.Generator().manual_seed(0)
+    return WeightSet.from_model(
+        {
+            "model.embed_tokens.weight": torch.randn(300, 64, generator=g),
+            "model.norm.weight": torch.randn(64, generator=g),
+            "lm_head.weight": torch.randn(300, 64, generator=g).to(torch.bfloat16),
+        }
+    )
+
+
+def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrupt: int | None = None):
+    """Run one stream; returns (staging, receiver exception, sender-side target)."""
+    layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
+    staging = StagingArea(layout)
+    with ChunkSender(chunk_bytes=4096, connect_timeout_s=10) as sender:
+        target = StreamTarget(token=sender_token, corrupt_chunk=corrupt)
+        info = sender.update_info(weights, target, timeout_s=10)
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                receive_update(info["sender"], bytes.fromhex(info["session"]), receiver_token,
+                               staging, info["checksum"], 10)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        sender.stream(weights, [target])
+        thread.join()
+    return staging, (errors[0] if errors else None), target
+
+
+def test_stream_lands_every_byte_in_the_preallocated_buffers():
+    weights = _weights()
+    staging, error, target = _transfer(weights, "t", "t")
+    assert error is None and target.error is None
+    for entry, (name, tensor) in zip(weights.entries, staging.items()):
+        assert name == entry.name and tensor.dtype == entry.dtype
+        assert torch.equal(tensor, entry.tensor)
+    assert target.bytes_sent == weights.total_bytes
+
+
+def test_flipped_byte_is_caught_on_both_ends():
+    staging, error, target = _transfer(_weights(), "t", "t", corrupt=3)
+    assert isinstance(error, ChecksumMismatch)
+    assert isinstance(target.error, ChecksumMismatch)
+
+
+def test_chunks_without_the_token_are_refused():
+    _, error, target = _transfer(_weights(), "wrong", "right")
+    assert isinstance(error, PushRefused)
+    assert isinstance(target.error, PushRefused)
+
+
+def test_names_are_mapped_to_checkpoint_names_and_buffers_skipped():
+    assert checkpoint_name("module._orig_mod.model.norm.weight") == "model.norm.weight"
+    ws = WeightSet.from_model(
+        {
+            "module.model.norm.weight": torch.ones(4),
+            "module.model.rotary_emb.inv_freq": torch.ones(2),
+            "module.step": torch.tensor(3),
+        },
+        dtype=torch.bfloat16,
+    )
+    assert [e.name for e in ws.entries] == ["model.norm.weight"]
+    assert ws.entries[0].materialize().dtype == torch.bfloat16
+    assert ws.total_bytes == 8
+
+
+def test_checkpoint_store_keeps_n_versions_and_knows_the_previous(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    store = CheckpointStore(tmp_path / "versions", base, keep=2)
+    for v in ("v1", "v2", "v3"):
+        store.save(v, {"w": torch.full((2,), float(v[1]))})
+    assert store.versions() == ["v2", "v3"]
+    assert store.previous("v3") == "v2"
+    assert not (tmp_path / "versions" / "v1").exists()
+    assert (store.path("v3") / "config.json").exists()
+    with pytest.raises(ValueError):
+        store.path("../evil")

@@ -1,0 +1,254 @@
+"""The trainer-facing API: push weights from any PyTorch loop into running vLLM engines.
+
+    push(model, version="step-100", engines=["http://127.0.0.1:8101"], token=TOKEN)
+
+For each engine: arm (`/init_weight_transfer_engine` with the push token), `/start_weight_update`,
+`/update_weights` (blocks while the engine pulls chunks from our chunk server), then
+`/finish_weight_update` with the version and `/reset_prefix_cache` (KV computed by the old weights
+must not be reused). Engines are served in parallel from one serialization of the weights.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import msgspec
+import torch
+
+from trainer_bridge.config import BridgeConfig
+from trainer_bridge.engine_client import EngineClient
+from trainer_bridge.errors import BridgeError, PushFailed
+from trainer_bridge.sender import ChunkSender, StreamTarget
+from trainer_bridge.weights import WeightSet
+
+ModelLike = torch.nn.Module | Mapping[str, torch.Tensor] | WeightSet
+
+
+class PushReport(msgspec.Struct):
+    version: str
+    engines: list[str]
+    tensors: int
+    bytes_per_engine: int
+    seconds: float
+    transfer_seconds: float  # /update_weights round: stream + verify + load_weights
+
+    @property
+    def gb_per_s(self) -> float:
+        """Payload delivered (all engines) per second of transfer."""
+        total = self.bytes_per_engine * len(self.engines)
+        return total / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
+
+
+def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
+    if isinstance(model, WeightSet):
+        return model
+    return WeightSet.from_model(model, dtype=dtype)
+
+
+def resolve_gateway_engines(gateway: str, admin_token: str | None) -> tuple[list[str], str | None]:
+    """Ask the gateway which engines take pushes and which push token is current.
+
+    Contract (gateway side): `GET /admin/weight_targets` -> {"engines": [url...], "push_token": str}.
+    """
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0)
+    resp.raise_for_status()
+    body = resp.json()
+    return list(body["engines"]), body.get("push_token")
+
+
+def push(
+    model_or_state_dict: ModelLike,
+    version: str,
+    engines: Sequence[str] | None = None,
+    gateway: str | None = None,
+    token: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    init: bool = True,
+    config: BridgeConfig | None = None,
+    corrupt_chunk: int | None = None,
+) -> PushReport:
+    """Push weights to every engine (or every engine the gateway lists); all-or-raise.
+
+    `dtype`: wire/staging dtype; default is the first engine's serving dtype (vLLM on CPU serves
+    fp32 checkpoints as bf16, so that halves the bytes). `init=False` skips arming the engine
+    (it must already hold `token`). `corrupt_chunk` flips one byte after checksumming (tests).
+    Raises PushFailed (with per-engine causes) if any engine did not take the update; those
+    engines keep serving their previous weights and version.
+    """
+    cfg = config or BridgeConfig()
+    if gateway is not None:
+        listed, gateway_token = resolve_gateway_engines(gateway, token)
+        engines = list(engines or []) + listed
+        token = gateway_token or token
+    if not engines:
+        raise ValueError("push needs engines=[...] or gateway=URL")
+    token = token or secrets.token_hex(16)
+    clients = [EngineClient(url, cfg.http_timeout_s) for url in engines]
+    try:
+        if dtype is None and not isinstance(model_or_state_dict, WeightSet):
+            dtype = clients[0].model_dtype()
+        weights = _weights(model_or_state_dict, dtype)
+        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _push(
+    weights: WeightSet,
+    version: str,
+    clients: list[EngineClient],
+    token: str,
+    cfg: BridgeConfig,
+    progress: bool,
+    init: bool,
+    corrupt_chunk: int | None,
+) -> PushReport:
+    started = time.perf_counter()
+    failures: dict[str, BaseException] = {}
+
+    def prepare(client: EngineClient) -> None:
+        if init:
+            client.init_weight_transfer_engine({"token": token})
+        client.start_weight_update()
+
+    with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
+        for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001 - reported per engine
+                failures[client.base_url] = exc
+        live = [c for c in clients if c.base_url not in failures]
+
+        transfer_started = time.perf_counter()
+        with ChunkSender(
+            cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
+        ) as sender:
+            targets = {c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk) for c in live}
+
+            def update(client: EngineClient) -> None:
+                target = targets[client.base_url]
+                try:
+                    client.update_weights(sender.update_info(weights, target, cfg.stream_timeout_s))
+                except Exception as exc:
+                    target.done.wait(1.0)  # let the writer record the stream-side reason first
+                    target.fail(exc)
+                    raise
+
+            bar = _progress_bar(weights.total_bytes * len(live), version) if progress else None
+            lock = threading.Lock()
+
+            def tick(n: int) -> None:
+                with lock:
+                    bar.update(n)
+
+            updates = {c.base_url: pool.submit(update, c) for c in live}
+            sender.stream(weights, list(targets.values()), tick if bar else None)
+            for url, fut in updates.items():
+                try:
+                    fut.result()
+                except BaseException as exc:  # noqa: BLE001
+                    failures[url] = targets[url].error or exc
+                else:
+                    if targets[url].error is not None:
+                        failures[url] = targets[url].error
+            if bar is not None:
+                bar.close()
+        transfer_seconds = time.perf_counter() - transfer_started
+
+        def finish(client: EngineClient) -> None:
+            client.finish_weight_update(version)
+            client.reset_prefix_cache()
+
+        ok = [c for c in live if c.base_url not in failures]
+        for client, fut in [(c, pool.submit(finish, c)) for c in ok]:
+            try:
+                fut.result()
+            except Exception as exc:  # noqa: BLE001
+                failures[client.base_url] = exc
+
+    if failures:
+        raise PushFailed(failures)
+    return PushReport(
+        version=version,
+        engines=[c.base_url for c in clients],
+        tensors=len(weights.entries),
+        bytes_per_engine=weights.total_bytes,
+        seconds=time.perf_counter() - started,
+        transfer_seconds=transfer_seconds,
+    )
+
+
+def _progress_bar(total: int, version: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"push {version}")
+
+
+def push_to_engine(
+    engine_url: str,
+    state_dict: ModelLike,
+    version: str,
+    token: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    init: bool = True,
+    progress: bool = False,
+    config: BridgeConfig | None = None,
+    corrupt_chunk: int | None = None,
+) -> PushReport:
+    """One engine: arm, start, stream + verify + load, finish(version), reset prefix cache."""
+    try:
+        return push(
+            state_dict, version, [engine_url], token=token, dtype=dtype, progress=progress,
+            init=init, config=config, corrupt_chunk=corrupt_chunk,
+        )
+    except PushFailed as exc:
+        # One engine: surface its own cause (PushRefused, ChecksumMismatch, ...) directly.
+        cause = exc.failures.get(engine_url.rstrip("/"))
+        if isinstance(cause, BridgeError):
+            raise cause from exc
+        raise
+
+
+def reload_from_checkpoint(
+    engine_url: str, path: str | Path, version: str | None = None, timeout_s: float = 600.0
+) -> None:
+    """Fallback for engines without the plugin: vLLM reloads an HF directory in place.
+    Sets the version if given, then resets the prefix cache."""
+    with EngineClient(engine_url, timeout_s) as client:
+        client.reload_weights(str(Path(path).resolve()))
+        if version is not None:
+            client.set_weight_version(version)
+        client.reset_prefix_cache()
+
+
+def engine_weight_version(engine_url: str) -> str:
+    """The engine's committed weight version (`GET /weight_info`); "default" before any push."""
+    with EngineClient(engine_url, 30.0) as client:
+        return client.weight_version()
+
+
+def make_push_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def arm_engine(engine_url: str, token: str, current_token: str | None = None) -> None:
+    """Give an engine the push token for this rollout (rotating needs the current token)."""
+    info: dict[str, str] = {"token": token}
+    if current_token is not None:
+        info["current_token"] = current_token
+    with EngineClient(engine_url, 60.0) as client:
+        client.init_weight_transfer_engine(info)
+
+
+ProgressCallback = Callable[[int], None]
