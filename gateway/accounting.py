@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -52,6 +53,9 @@ _DEFAULT_LEDGER = LedgerConfig()
 _TEMPLATE_TOKENS_PER_MESSAGE = 8
 _INITIAL_CHARS_PER_TOKEN = 4.0   # until completed requests calibrate it
 REDIS_CONNECTIONS = 32
+
+
+ADVISOR_SAMPLE = 8  # one session-less request in 8 goes through the cache advisor
 
 
 @dataclass(slots=True)
@@ -217,6 +221,7 @@ class Accounting:
                                                     tier=r.tier, model=config.fleet.model))
         self.fleet_cost = FleetCostMeter(msgspec.structs.replace(pricing, replicas=replicas))
         self.advisor = CacheAdvisor()
+        self._advisor_sample = itertools.count()
         self.totals: dict[tuple[str, str], TierTotals] = {}
         self._children: dict[tuple[str, str], _Children] = {}
         self._request_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
@@ -397,7 +402,9 @@ class Accounting:
         if usage is None:
             return {}
         self._count(ctx, usage, priced, cost, latency, estimated)
-        if ctx.prompt_tokens:
+        # The advisor compares a prompt with the previous one of its session; without a session all
+        # of a key's requests share one slot, so sample those (diagnosing costs ~100 µs).
+        if ctx.prompt_tokens and (ctx.session_id or next(self._advisor_sample) % ADVISOR_SAMPLE == 0):
             asyncio.get_running_loop().call_soon(
                 self.advisor.observe, key.id if key else "anonymous", ctx.session_id or None,
                 ctx.prompt_tokens)

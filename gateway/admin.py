@@ -204,6 +204,8 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
         rows = await ledger.success(groups, since=parse_time(since, "since"), until=parse_time(until, "until"))
         return json_response({"group_by": groups, "rows": rows})
 
+    from .weights import build_weights_admin_routes  # weights imports this module's helpers
+    build_weights_admin_routes(router, gw)
     return router
 
 

@@ -25,6 +25,7 @@ from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .weights import WeightOrchestrator, build_intake_router
 
 log = logging.getLogger("yieldgate.gateway")
 _encode = msgspec.json.Encoder().encode
@@ -59,6 +60,7 @@ class Gateway:
         self.accounting = Accounting(config, self.metrics, self.fleet)
         self.dashboard = Dashboard(self)
         self.proxy = Proxy(config, self.fleet, self.routing, self.accounting)
+        self.weights = WeightOrchestrator(self)
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -68,6 +70,7 @@ class Gateway:
         await self.proxy.start()
 
     async def close(self) -> None:
+        await self.weights.close()
         await self.proxy.close()
         await self.routing.close()
         await self.dashboard.close()
@@ -149,6 +152,7 @@ def create_app(config: Config) -> FastAPI:
         request.state.api_key = await gw.accounting.authenticate(request)
 
     app.include_router(build_admin_router(gw))
+    app.include_router(build_intake_router(gw))
     app.include_router(build_feedback_router(gw, api_key))
     app.include_router(build_dashboard_router(gw, gw.dashboard))
     inference = [Depends(api_key)]

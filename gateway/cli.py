@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, home_dir, load_config
+from cache.simulator import simulate_command
 from loadtest.cli import loadtest
 
 from .keys_cli import keys_app, spend
@@ -21,6 +22,7 @@ model_app = typer.Typer(help="The generated demo model.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.command("spend")(spend)
+app.command("simulate", help="Discrete-event fleet simulator running the gateway's routing policies.")(simulate_command)
 app.command("loadtest", help="Load-test any OpenAI-compatible URL (see loadtest/README.md).")(loadtest)
 console = Console(stderr=True)
 

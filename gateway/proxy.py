@@ -158,11 +158,13 @@ class Proxy:
             replica = decision.replica
             ctx.bind(replica, decision.predicted_cached_tokens)
             replica.inflight += 1
+            # Record the placement now, not when the engine answers: requests routed meanwhile
+            # should already see this prefix on this replica.
+            self.routing.observe(ctx, decision)
             try:
                 resp = await self.session.post(
                     replica.url + _PATHS[ctx.kind], data=payload,
                     headers={"content-type": "application/json", "x-request-id": ctx.request_id})
-                self.routing.observe(ctx, decision)
                 return replica, resp
             except _RETRYABLE as exc:
                 replica.inflight -= 1

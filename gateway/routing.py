@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
-                   Router, SharedPrefixIndex, Tokenizer)
+                   Router, RouterConfig, SharedPrefixIndex, Tokenizer)
+from serving.config import TierConfig
 from serving.fleet import Fleet, Replica
 
 from .accounting import RequestContext
@@ -36,8 +37,7 @@ class Routing:
     async def start(self) -> None:
         fleet_cfg = self.config.fleet
         self.index = await self._open_index()
-        self.routers = {tier: Router(fleet_cfg.tier(tier).policy, self.index, block_size=fleet_cfg.block_size)
-                        for tier in self.fleet.tiers()}
+        self.routers = {tier: self._router(fleet_cfg.tier(tier)) for tier in self.fleet.tiers()}
         if any(r.needs_tokens for r in self.routers.values()):
             self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
         for replica in self.fleet.replicas.values():
@@ -46,6 +46,12 @@ class Routing:
                 sub = KVEventSubscriber(replica.name, endpoint, self.index)
                 sub.start()
                 self.subscribers.append(sub)
+
+    def _router(self, tier: TierConfig) -> Router:
+        config = RouterConfig(policy=tier.policy, overlap_weight=tier.overlap_weight,
+                              queued_request_blocks=tier.queued_request_blocks,
+                              spill_factor=tier.spill_factor, spill_slack=tier.spill_slack)
+        return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
         url = self.config.server.redis_url

@@ -256,10 +256,12 @@ class Runner:
             if not messages and self._salt_prefix:
                 content = self._salt_prefix + content
             messages.append({"role": "user", "content": content})
+            # OpenAI's `user` names the conversation, so session-affine routers can keep it together.
+            extra = {**self._salt_extra, "user": session.id} if self._salt_extra else {"user": session.id}
             if self.target.api == "chat":
-                body = self._client.build_body(messages, None, turn.max_tokens, self._salt_extra)
+                body = self._client.build_body(messages, None, turn.max_tokens, extra)
             else:
-                body = self._client.build_body(None, _render_prompt(messages), turn.max_tokens, self._salt_extra)
+                body = self._client.build_body(None, _render_prompt(messages), turn.max_tokens, extra)
             if sem is not None:
                 async with sem:
                     out = await self._send(body)

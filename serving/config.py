@@ -52,7 +52,13 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
-    policy: str = "cache_aware"
+    policy: str = "cache_aware"   # round_robin | least_loaded | session | cache_aware
+    # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
+    # with load > spill_factor * mean + spill_slack are skipped (see cache/routing.py).
+    overlap_weight: float = 1.0
+    queued_request_blocks: float = 4.0
+    spill_factor: float = 1.5
+    spill_slack: float = 2.0
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -95,6 +101,8 @@ _COMMON_ARGS = [
     "--gpu-memory-utilization", "0.3",
     "--max-model-len", "4096",
     "--max-num-seqs", "64",
+    # The trainer bridge's weight-transfer backend (trainer_bridge.plugin): hot weight pushes.
+    "--weight-transfer-config", '{"backend":"yieldgate"}',
 ]
 _SPEC_DECODE = (
     '{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'

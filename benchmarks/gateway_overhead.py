@@ -1,0 +1,683 @@
+"""Gateway overhead, side by side: direct to a fake upstream vs yieldgate vs LiteLLM proxy.
+
+Same machine, same fake upstream (benchmarks/fake_upstream.py), same seeded load from the project's
+own load tester (in its own process), one run. The gateway under test is pinned to core 1 with
+`taskset -c 1`; the upstream and the load generator share core 0.
+
+    python benchmarks/gateway_overhead.py --quick          # ~6 min
+    python benchmarks/gateway_overhead.py                  # full: ~15-20 min (100k-request RSS run)
+    python benchmarks/gateway_overhead.py --skip-litellm   # yieldgate only
+
+Reports (JSON, markdown table, PNG in benchmarks/results/gateway_overhead*):
+- added latency (gateway - direct) p50/p99 at fixed open-loop Poisson rates (100, 500, 1000 RPS)
+- max sustainable RPS per gateway core (rate sweep; a step fails on >1% errors, achieved < 90% of
+  offered, or p99 > max(5x the first step's, 50 ms)) and gateway CPU-µs per request (1/that is the
+  CPU-bound request rate per core, independent of the load generator's own limit)
+- per-chunk added latency for streams (ITL difference), 1,000 concurrent streams (errors)
+- yieldgate RSS after 20k and 100k requests (quick mode: 4k and 20k)
+- yieldgate with each switchable feature turned off.
+
+LiteLLM (litellm[proxy]==1.108.*) is installed into its own venv (/tmp/litellm-venv, reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PY = sys.executable
+LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", "/tmp/litellm-venv"))
+LITELLM_SPEC = "litellm[proxy]==1.108.*"
+MODEL_PATH = "/tmp/yghome/models/demo-llama-s0-4e9a9ceff4"
+REDIS_URL = "redis://127.0.0.1:6379/12"
+KEY_PREFIX = "ygbench:"
+MASTER_KEY = "sk-bench-master-key"
+ADMIN_TOKEN = "bench-admin-token"
+GATEWAY_CORE, CLIENT_CORE = "1", "0"
+
+# The request shape: a chat with a shared 256-token system prompt (so cache-aware routing has
+# something to tokenize), 16 output tokens non-streamed, 32 streamed.
+UNARY_WORKLOAD = {"kind": "shared_prefix", "tenants": 4, "prefix_tokens": 256, "users_per_tenant": 8,
+                  "user_context_tokens": 32, "suffix_tokens": 32, "output_tokens": 16}
+STREAM_WORKLOAD = dict(UNARY_WORKLOAD, output_tokens=32)
+UPSTREAM_ITL_MS = 10.0   # per-token interval of streams (unary answers come at once)
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
+              headers: dict[str, str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=2) as r:
+                if r.status < 500:
+                    return
+        except Exception:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and all its children (LiteLLM may fork a worker)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, IndexError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def start_upstream(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        ["taskset", "-c", CLIENT_CORE, PY, str(ROOT / "benchmarks" / "fake_upstream.py"), "--port", str(port),
+         "--ttft-ms", "0", "--itl-ms", str(UPSTREAM_ITL_MS), "--tokens", "64"],
+        stdout=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/health", 20, proc)
+    return proc
+
+
+# -- yieldgate -----------------------------------------------------------------------------------------
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # Everything on: cache-aware routing (tokenizes every prompt), API keys, cost, ledger, metrics.
+    "full": {"policy": "cache_aware", "require_keys": True},
+    "no_tokenize": {"policy": "round_robin", "require_keys": True},
+    "no_auth": {"policy": "cache_aware", "require_keys": False},
+    "minimal": {"policy": "round_robin", "require_keys": False},
+}
+
+
+def gateway_config(port: int, upstream: str, workdir: Path, policy: str, require_keys: bool) -> str:
+    replicas = "\n".join(
+        f'[[fleet.replicas]]\nname = "fake-{i}"\ntier = "standard"\nurl = "{upstream}"\ncost_per_hour = "0.40"\n'
+        for i in range(2))
+    return f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+admin_token = "{ADMIN_TOKEN}"
+require_keys = {str(require_keys).lower()}
+redis_url = "{REDIS_URL}"
+data_dir = "{workdir}/data"
+
+[limits]
+streams_per_key = 100000
+
+[fleet]
+model = "demo"
+model_path = "{MODEL_PATH}"
+health_interval_s = 2.0
+scrape_interval_s = 2.0
+
+[fleet.tiers.standard]
+policy = "{policy}"
+
+{replicas}
+
+[pricing.ledger]
+journal_dir = "{workdir}/journal"
+
+[pricing.limits]
+prefix = "{KEY_PREFIX}"
+"""
+
+
+class Yieldgate:
+    def __init__(self, upstream: str, workdir: Path, variant: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        v = VARIANTS[variant]
+        self.workdir = workdir / f"yg-{variant}"
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True)
+        cfg = self.workdir / "gateway.toml"
+        cfg.write_text(gateway_config(self.port, upstream, self.workdir, v["policy"], v["require_keys"]))
+        env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
+        env["YIELDGATE_HOME"] = str(self.workdir)
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "gateway.cli", "gateway", "--config", str(cfg)],
+                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                     stderr=open(self.workdir / "gateway.log", "wb"))
+        wait_http(self.url + "/healthz", 60, self.proc)
+        self.api_key: str | None = None
+        if v["require_keys"]:
+            self.api_key = self._create_key()
+
+    def _create_key(self) -> str:
+        req = urllib.request.Request(self.url + "/admin/keys", data=json.dumps({"team": "bench"}).encode(),
+                                     headers={"authorization": f"Bearer {ADMIN_TOKEN}",
+                                              "content-type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["secret"]
+
+    @property
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def close(self) -> None:
+        stop(self.proc)
+
+
+# -- LiteLLM ---------------------------------------------------------------------------------------------
+
+def ensure_litellm() -> Path:
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+    subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM_SPEC], check=True)
+    return exe
+
+
+class LiteLLM:
+    def __init__(self, upstream: str, workdir: Path):
+        exe = ensure_litellm()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = MASTER_KEY
+        d = workdir / "litellm"
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = d / "config.yaml"
+        cfg.write_text(f"""model_list:
+  - model_name: demo
+    litellm_params:
+      model: openai/demo
+      api_base: {upstream}/v1
+      api_key: fake
+litellm_settings:
+  set_verbose: false
+  json_logs: false
+  turn_off_message_logging: true
+  drop_params: true
+general_settings:
+  master_key: {MASTER_KEY}
+  disable_spend_logs: true
+  disable_error_logs: true
+""")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS"))}
+        env.update(LITELLM_MASTER_KEY=MASTER_KEY, LITELLM_LOG="ERROR", LITELLM_LOCAL_MODEL_COST_MAP="True",
+                   DISABLE_ADMIN_UI="True", NO_DOCS="True", LITELLM_TELEMETRY="False")
+        self.version = subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-c",
+                                       "import importlib.metadata as m; print(m.version('litellm'))"],
+                                      capture_output=True, text=True).stdout.strip()
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", GATEWAY_CORE, str(exe), "--config", str(cfg), "--host", "127.0.0.1",
+             "--port", str(self.port), "--num_workers", "1"],
+            cwd=d, env=env, stdout=open(d / "litellm.log", "wb"), stderr=subprocess.STDOUT)
+        wait_http(self.url + "/health/liveliness", 180, self.proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def close(self) -> None:
+        stop(self.proc)
+
+
+# -- the load worker (its own process) ----------------------------------------------------------------
+
+def load_worker(spec_path: str, out_path: str) -> None:
+    """Run phases against one target with loadtest; sample the watched pids' CPU and RSS per phase."""
+    import msgspec
+
+    from loadtest import Bounds, Load, Runner, Target
+    from loadtest.workload import SharedPrefixWorkload
+
+    spec = json.loads(Path(spec_path).read_text())
+    target = msgspec.convert(spec["target"], Target)
+    pids: list[int] = spec.get("pids", [])
+
+    async def main() -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        runners: dict[str, Runner] = {}
+        first_p99: dict[str, float] = {}
+        failed_groups: set[str] = set()
+        try:
+            for ph in spec["phases"]:
+                group = ph.get("sweep")
+                if group and group in failed_groups:
+                    continue
+                wkey = json.dumps(ph["workload"], sort_keys=True)
+                if wkey not in runners:
+                    runners[wkey] = Runner(target, msgspec.convert(ph["workload"], SharedPrefixWorkload),
+                                           seed=0, timeout_s=60)
+                    await runners[wkey].__aenter__()
+                load = msgspec.convert(ph["load"], Load)
+                bounds = msgspec.convert(ph["bounds"], Bounds)
+                cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+                summary, records, duration = await runners[wkey].run_phase(load, bounds)
+                cpu = cpu_seconds(pids) - cpu0
+                wall = time.perf_counter() - t0
+                s = msgspec.to_builtins(summary)
+                n = summary.requests + summary.warmup
+                row = {"name": ph["name"], "summary": s, "gateway_cpu_s": cpu, "wall_s": wall,
+                       "gateway_cpu_us_per_request": cpu / n * 1e6 if n and pids else None,
+                       "rss_mib": rss_mib(pids) if pids else None}
+                if group:
+                    err = summary.failed / max(summary.requests, 1)
+                    p99 = summary.e2e_ms.p(99) if summary.completed else float("inf")
+                    first_p99.setdefault(group, p99)
+                    offered = ph["load"].get("rate") or 0
+                    achieved = summary.request_throughput
+                    reason = None
+                    if err > 0.01:
+                        reason = f"error rate {err:.1%}"
+                    elif offered and achieved < 0.9 * offered:
+                        reason = f"achieved {achieved:.0f} < 90% of {offered:.0f}"
+                    elif p99 > max(5 * first_p99[group], 50.0):
+                        reason = f"p99 {p99:.1f} ms blew up"
+                    row["fail_reason"] = reason
+                    if reason:
+                        failed_groups.add(group)
+                out.append(row)
+                print(f"  {ph['name']:<24} ok={summary.completed}/{summary.requests} "
+                      f"thr={summary.request_throughput:.0f}/s e2e p50={_p(summary.e2e_ms, 50)} "
+                      f"p99={_p(summary.e2e_ms, 99)} itl p50={_p(summary.itl_ms, 50)} "
+                      f"cpu/req={row['gateway_cpu_us_per_request'] or 0:.0f}us "
+                      f"errors={summary.errors}" + (f" FAIL: {row.get('fail_reason')}" if row.get("fail_reason") else ""),
+                      flush=True)
+        finally:
+            for r in runners.values():
+                await r.__aexit__(None, None, None)
+        return out
+
+    try:
+        import uvloop  # the load generator's own overhead matters at 1k+ RPS
+        result = uvloop.run(main())
+    except ImportError:  # pragma: no cover
+        import asyncio
+        result = asyncio.run(main())
+    Path(out_path).write_text(json.dumps(result))
+
+
+def _p(dist: Any, q: float) -> str:
+    return f"{dist.p(q):.2f}" if dist.count else "-"
+
+
+def run_phases(target: dict[str, Any], phases: list[dict[str, Any]], pids: list[int], workdir: Path) -> list[dict]:
+    spec = workdir / f"spec-{time.monotonic_ns()}.json"
+    out = spec.with_suffix(".out.json")
+    spec.write_text(json.dumps({"target": target, "phases": phases, "pids": pids}))
+    subprocess.run(["taskset", "-c", CLIENT_CORE, PY, __file__, "--load-worker", str(spec), str(out)],
+                   check=True, cwd=ROOT)
+    return json.loads(out.read_text())
+
+
+# -- the plan ----------------------------------------------------------------------------------------------
+
+def plan(mode: dict[str, Any], sweep_rates: list[float], streams: bool = True) -> list[dict[str, Any]]:
+    fixed_s = mode["fixed_s"]
+    phases: list[dict[str, Any]] = [
+        {"name": "warmup", "workload": UNARY_WORKLOAD, "load": {"kind": "concurrency", "concurrency": 8},
+         "bounds": {"requests": 300}},
+    ]
+    for rate in (100, 500, 1000):
+        phases.append({"name": f"fixed_{rate}", "workload": UNARY_WORKLOAD,
+                       "load": {"kind": "poisson", "rate": rate},
+                       "bounds": {"requests": None, "duration_s": fixed_s, "timeout_s": 30}})
+    for rate in sweep_rates:
+        phases.append({"name": f"sweep_{rate:g}", "sweep": "max_rps", "workload": UNARY_WORKLOAD,
+                       "load": {"kind": "poisson", "rate": rate},
+                       "bounds": {"requests": None, "duration_s": mode["sweep_s"], "timeout_s": 30}})
+    if streams:
+        phases.append({"name": "streams_itl", "workload": STREAM_WORKLOAD,
+                       "load": {"kind": "concurrency", "concurrency": 32},
+                       "bounds": {"requests": mode["itl_requests"]}})
+        phases.append({"name": "streams_1000", "workload": STREAM_WORKLOAD,
+                       "load": {"kind": "concurrency", "concurrency": 1000},
+                       "bounds": {"requests": mode["streams_requests"], "timeout_s": 60}})
+    return phases
+
+
+def target(url: str, api_key: str | None, stream: bool = False) -> dict[str, Any]:
+    return {"base_url": url, "model": "demo", "api": "chat", "stream": stream, "api_key": api_key}
+
+
+def run_target(name: str, url: str, api_key: str | None, pids: list[int], mode: dict, workdir: Path,
+               sweep_rates: list[float], streams: bool = True) -> dict[str, Any]:
+    print(f"== {name}", flush=True)
+    phases = plan(mode, sweep_rates, streams)
+    unary = [p for p in phases if not p["name"].startswith("streams")]
+    stream = [p for p in phases if p["name"].startswith("streams")]
+    rows = run_phases(target(url, api_key), unary, pids, workdir)
+    if stream:
+        rows += run_phases(target(url, api_key, stream=True), stream, pids, workdir)
+    return {r["name"]: r for r in rows}
+
+
+def rss_run(url: str, api_key: str | None, pids: list[int], mode: dict, workdir: Path) -> dict[str, Any]:
+    n1, n2 = mode["rss_requests"]
+    phases = [{"name": f"rss_{n1}", "workload": UNARY_WORKLOAD, "load": {"kind": "concurrency", "concurrency": 64},
+               "bounds": {"requests": n1}},
+              {"name": f"rss_{n2}", "workload": UNARY_WORKLOAD, "load": {"kind": "concurrency", "concurrency": 64},
+               "bounds": {"requests": n2 - n1}}]
+    print(f"== yieldgate RSS over {n2} requests", flush=True)
+    rows = run_phases(target(url, api_key), phases, pids, workdir)
+    a, b = rows[0]["rss_mib"], rows[1]["rss_mib"]
+    return {"requests": [n1, n2], "rss_mib": [a, b], "growth_pct": (b - a) / a * 100 if a else None,
+            "errors": rows[0]["summary"]["failed"] + rows[1]["summary"]["failed"]}
+
+
+def cleanup_redis() -> None:
+    try:
+        import redis
+        r = redis.Redis.from_url(REDIS_URL)
+        for pattern in (KEY_PREFIX + "*", "yg:prefix:demo*"):
+            keys = list(r.scan_iter(pattern, count=1000))
+            if keys:
+                r.delete(*keys)
+        r.close()
+    except Exception as exc:  # cleanup is best effort
+        print(f"redis cleanup failed: {exc}")
+
+
+# -- report ------------------------------------------------------------------------------------------------
+
+def _dist(row: dict | None, metric: str, q: str) -> float | None:
+    if not row:
+        return None
+    d = row["summary"][metric]
+    return d["percentiles"].get(q) if d["count"] else None
+
+
+def max_rps(rows: dict[str, dict]) -> dict[str, Any]:
+    steps = [r for k, r in rows.items() if k.startswith("sweep_")]
+    ok = [r for r in steps if not r.get("fail_reason")]
+    best = max(ok, key=lambda r: r["summary"]["request_throughput"], default=None)
+    failed = next((r for r in steps if r.get("fail_reason")), None)
+    return {"max_sustained_rps": best["summary"]["request_throughput"] if best else 0.0,
+            "at_offered_rps": best["summary"]["offered_rate"] if best else None,
+            "stopped_at": failed["name"] if failed else None,
+            "stop_reason": failed.get("fail_reason") if failed else "load generator limit (no failure)"}
+
+
+def analyse(results: dict[str, Any]) -> dict[str, Any]:
+    direct = results["targets"]["direct"]
+    table: dict[str, Any] = {}
+    for name, rows in results["targets"].items():
+        t: dict[str, Any] = {}
+        for rate in (100, 500, 1000):
+            row = rows.get(f"fixed_{rate}")
+            base = direct.get(f"fixed_{rate}")
+            entry = {"p50_ms": _dist(row, "e2e_ms", "p50"), "p99_ms": _dist(row, "e2e_ms", "p99"),
+                     "errors": row["summary"]["failed"] if row else None,
+                     "achieved_rps": row["summary"]["request_throughput"] if row else None,
+                     "gateway_cpu_us_per_request": row.get("gateway_cpu_us_per_request") if row else None}
+            if name != "direct" and row and base:
+                entry["added_p50_ms"] = entry["p50_ms"] - _dist(base, "e2e_ms", "p50")
+                entry["added_p99_ms"] = entry["p99_ms"] - _dist(base, "e2e_ms", "p99")
+            t[f"{rate}rps"] = entry
+        t["max_rps"] = max_rps(rows) if any(k.startswith("sweep_") for k in rows) else None
+        cpu = (t.get("500rps") or {}).get("gateway_cpu_us_per_request")
+        t["cpu_bound_rps_per_core"] = 1e6 / cpu if cpu else None
+        itl, base_itl = rows.get("streams_itl"), direct.get("streams_itl")
+        if itl:
+            t["streams"] = {"itl_p50_ms": _dist(itl, "itl_ms", "p50"), "itl_p99_ms": _dist(itl, "itl_ms", "p99"),
+                            "itl_mean_ms": itl["summary"]["itl_ms"]["mean"] if itl["summary"]["itl_ms"]["count"] else None,
+                            "ttft_p50_ms": _dist(itl, "ttft_ms", "p50"), "errors": itl["summary"]["failed"]}
+            if name != "direct" and base_itl:
+                t["streams"]["added_itl_p50_ms"] = t["streams"]["itl_p50_ms"] - _dist(base_itl, "itl_ms", "p50")
+                t["streams"]["added_itl_p99_ms"] = t["streams"]["itl_p99_ms"] - _dist(base_itl, "itl_ms", "p99")
+                t["streams"]["added_itl_mean_ms"] = t["streams"]["itl_mean_ms"] - base_itl["summary"]["itl_ms"]["mean"]
+                t["streams"]["added_ttft_p50_ms"] = t["streams"]["ttft_p50_ms"] - _dist(base_itl, "ttft_ms", "p50")
+        s1k = rows.get("streams_1000")
+        if s1k:
+            t["streams_1000"] = {"requests": s1k["summary"]["requests"], "errors": s1k["summary"]["failed"],
+                                 "error_kinds": s1k["summary"]["errors"], "e2e_p99_ms": _dist(s1k, "e2e_ms", "p99")}
+        table[name] = t
+    yg, ll = table.get("yieldgate"), table.get("litellm")
+    goals: dict[str, Any] = {}
+    if yg:
+        a = yg["500rps"]
+        goals["p50_added_le_1ms_at_500"] = a.get("added_p50_ms") is not None and a["added_p50_ms"] <= 1.0
+        goals["p99_added_le_5ms_at_500"] = a.get("added_p99_ms") is not None and a["added_p99_ms"] <= 5.0
+    if yg and ll:
+        ya, la = yg["500rps"].get("added_p50_ms"), ll["500rps"].get("added_p50_ms")
+        goals["p50_overhead_ratio_litellm_over_yieldgate_at_500"] = la / ya if ya and la and ya > 0 else None
+        yr, lr = (yg["max_rps"] or {}).get("max_sustained_rps"), (ll["max_rps"] or {}).get("max_sustained_rps")
+        goals["max_rps_ratio_yieldgate_over_litellm"] = yr / lr if yr and lr else None
+        yc, lc = yg.get("cpu_bound_rps_per_core"), ll.get("cpu_bound_rps_per_core")
+        goals["cpu_bound_rps_ratio_yieldgate_over_litellm"] = yc / lc if yc and lc else None
+    return {"table": table, "goals": goals}
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    a = results["analysis"]
+    t = a["table"]
+    lines = [f"# Gateway overhead ({results['mode']} mode, {time.strftime('%Y-%m-%d %H:%M', time.localtime(results['started_at']))})",
+             "", f"Machine: {os.cpu_count()} cores; gateway pinned to core {GATEWAY_CORE}, fake upstream + "
+             f"load generator on core {CLIENT_CORE}. Chat requests, ~1.5 KB prompt, 16 output tokens (unary). "
+             f"LiteLLM {results.get('litellm_version') or '-'}. Other engineers' jobs share the machine: "
+             f"figures are noisy.", "",
+             "## Added latency over direct (ms), open-loop Poisson", "",
+             "| target | rate | p50 | p99 | added p50 | added p99 | errors | gateway CPU µs/req |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in t.items():
+        for rate in (100, 500, 1000):
+            e = row[f"{rate}rps"]
+            lines.append(f"| {name} | {rate} | {_f(e['p50_ms'])} | {_f(e['p99_ms'])} | {_f(e.get('added_p50_ms'))} | "
+                         f"{_f(e.get('added_p99_ms'))} | {_f(e['errors'])} | {_f(e['gateway_cpu_us_per_request'], 0)} |")
+    lines += ["", "## Capacity per gateway core", "",
+              "| target | max sustained RPS (sweep) | stopped at | why | CPU-bound RPS/core (1e6 / CPU-µs per req at 500 RPS) |",
+              "|---|---|---|---|---|"]
+    for name, row in t.items():
+        m = row.get("max_rps") or {}
+        lines.append(f"| {name} | {_f(m.get('max_sustained_rps'), 0)} | {_f(m.get('stopped_at'))} | "
+                     f"{_f(m.get('stop_reason'))} | {_f(row.get('cpu_bound_rps_per_core'), 0)} |")
+    lines += ["", f"## Streams (upstream ITL {UPSTREAM_ITL_MS:g} ms, 32 tokens, 32 concurrent; then 1,000 concurrent)", "",
+              "| target | ITL p50 | ITL p99 | added ITL p50 | added ITL p99 | added ITL mean | added TTFT p50 | 1,000 concurrent: requests / errors |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, row in t.items():
+        s = row.get("streams") or {}
+        k = row.get("streams_1000") or {}
+        lines.append(f"| {name} | {_f(s.get('itl_p50_ms'))} | {_f(s.get('itl_p99_ms'))} | {_f(s.get('added_itl_p50_ms'), 3)} | "
+                     f"{_f(s.get('added_itl_p99_ms'), 3)} | {_f(s.get('added_itl_mean_ms'), 3)} | {_f(s.get('added_ttft_p50_ms'))} | "
+                     f"{_f(k.get('requests'))} / {_f(k.get('errors'))} {k.get('error_kinds') or ''} |")
+    rss = results.get("rss")
+    if rss:
+        lines += ["", "## yieldgate memory", "",
+                  f"RSS after {rss['requests'][0]:,} requests: {rss['rss_mib'][0]:.1f} MiB; after "
+                  f"{rss['requests'][1]:,}: {rss['rss_mib'][1]:.1f} MiB; growth {_f(rss['growth_pct'])}% "
+                  f"(goal < 5%); errors {rss['errors']}."]
+    var = results.get("variants") or {}
+    if var:
+        lines += ["", "## yieldgate features switched off (500 RPS)", "",
+                  "| variant | added p50 | added p99 | CPU µs/req | CPU-bound RPS/core |", "|---|---|---|---|---|"]
+        base = results["targets"]["direct"]["fixed_500"]
+        for name, r in var.items():
+            row = r["fixed_500"]
+            cpu = row.get("gateway_cpu_us_per_request")
+            lines.append(f"| {name} ({VARIANTS[name]}) | {_f(_dist(row, 'e2e_ms', 'p50') - _dist(base, 'e2e_ms', 'p50'))} | "
+                         f"{_f(_dist(row, 'e2e_ms', 'p99') - _dist(base, 'e2e_ms', 'p99'))} | {_f(cpu, 0)} | "
+                         f"{_f(1e6 / cpu if cpu else None, 0)} |")
+        lines += ["", "Cost pricing, the ledger journal and Prometheus metrics have no switch: they are on in "
+                  "every variant."]
+    lines += ["", "## Goals", ""] + [f"- {k}: {_f(v)}" for k, v in a["goals"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = results["analysis"]["table"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    names = [n for n in t if n != "direct"]
+    rates = [100, 500, 1000]
+    for ax, q in zip(axes[:2], ("p50", "p99")):
+        for i, n in enumerate(names):
+            vals = [t[n][f"{r}rps"].get(f"added_{q}_ms") or 0 for r in rates]
+            ax.bar([x + i * 0.35 for x in range(3)], vals, 0.35, label=n)
+        ax.set_xticks([x + 0.175 for x in range(3)], [f"{r} RPS" for r in rates])
+        ax.set_ylabel("ms added over direct")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.set_title(f"added {q} latency")
+        ax.legend()
+    ax = axes[2]
+    for n, rows in results["targets"].items():
+        steps = [r for k, r in rows.items() if k.startswith("sweep_")]
+        xs = [r["summary"]["offered_rate"] for r in steps]
+        ys = [r["summary"]["e2e_ms"]["percentiles"].get("p99") if r["summary"]["e2e_ms"]["count"] else None for r in steps]
+        ax.plot(xs, ys, marker="o", label=n)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered RPS")
+    ax.set_ylabel("p99 e2e ms")
+    ax.set_title("rate sweep (gateway on 1 core)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+MODES = {
+    "quick": {"fixed_s": 5.0, "sweep_s": 4.0, "itl_requests": 200, "streams_requests": 1000,
+              "rss_requests": (4000, 20000)},
+    "full": {"fixed_s": 20.0, "sweep_s": 8.0, "itl_requests": 1000, "streams_requests": 3000,
+             "rss_requests": (20000, 100000)},
+    "smoke": {"fixed_s": 1.0, "sweep_s": 1.0, "itl_requests": 50, "streams_requests": 300,
+              "rss_requests": (500, 1000)},
+}
+SWEEP = [250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000]
+SWEEP_SLOW = [50, 100, 150, 200, 300, 400, 500, 750, 1000]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="gateway overhead: direct vs yieldgate vs LiteLLM")
+    p.add_argument("--quick", action="store_true", help="fewer requests (~6 min instead of ~20)")
+    p.add_argument("--skip-litellm", action="store_true")
+    p.add_argument("--skip-variants", action="store_true", help="don't measure feature-off variants")
+    p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--out", default=str(RESULTS / "gateway_overhead"), help="output path prefix")
+    p.add_argument("--load-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.load_worker:
+        load_worker(*a.load_worker)
+        return
+    mode_name = os.environ.get("GATEWAY_OVERHEAD_MODE") or ("quick" if a.quick else "full")
+    mode = MODES[mode_name]
+    workdir = Path(tempfile.mkdtemp(prefix="yg-overhead-"))
+    results: dict[str, Any] = {"mode": mode_name, "started_at": time.time(), "targets": {}, "variants": {}}
+    up_port = free_port()
+    upstream = start_upstream(up_port)
+    up_url = f"http://127.0.0.1:{up_port}"
+    t0 = time.monotonic()
+    try:
+        results["targets"]["direct"] = run_target("direct", up_url, None, [], mode, workdir, SWEEP)
+        cleanup_redis()
+        yg = Yieldgate(up_url, workdir, "full")
+        try:
+            results["targets"]["yieldgate"] = run_target("yieldgate", yg.url, yg.api_key, yg.pids, mode, workdir, SWEEP)
+            if not a.skip_rss:
+                results["rss"] = rss_run(yg.url, yg.api_key, yg.pids, mode, workdir)
+        finally:
+            yg.close()
+        if not a.skip_litellm:
+            ll = LiteLLM(up_url, workdir)
+            results["litellm_version"] = ll.version
+            try:
+                results["targets"]["litellm"] = run_target("litellm", ll.url, ll.api_key, ll.pids, mode, workdir,
+                                                           SWEEP_SLOW)
+            finally:
+                ll.close()
+        if not a.skip_variants:
+            for variant in ("no_tokenize", "no_auth", "minimal"):
+                g = Yieldgate(up_url, workdir, variant)
+                try:
+                    print(f"== yieldgate[{variant}]", flush=True)
+                    phases = [ph for ph in plan(mode, [], streams=False) if ph["name"] in ("warmup", "fixed_500")]
+                    rows = run_phases(target(g.url, g.api_key), phases, g.pids, workdir)
+                    results["variants"][variant] = {r["name"]: r for r in rows}
+                finally:
+                    g.close()
+    finally:
+        stop(upstream)
+        cleanup_redis()
+    results["runtime_s"] = time.monotonic() - t0
+    results["analysis"] = analyse(results)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    md = markdown(results)
+    out.with_suffix(".md").write_text(md)
+    plot(results, out.with_suffix(".png"))
+    print(md)
+    print(f"runtime {results['runtime_s']:.0f}s; results in {out}.{{json,md,png}}")
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""Routing policies side by side: real 2-engine demo fleet through the gateway, and the simulator.
+
+    python benchmarks/routing.py                 # real (dev engines 8101/8102) + simulated 64 replicas
+    python benchmarks/routing.py --no-real       # simulator only
+    python benchmarks/routing.py --quick         # fewer requests (smoke run)
+
+(a) real: for each load and policy, a fresh in-process gateway whose `standard` tier has BOTH demo
+engines as replicas (8101 with KV events on tcp://127.0.0.1:5557; 8102 without, so the index learns
+it approximately), driven by the project's load tester (`loadtest.run_load`) with a fresh cache salt
+per run. The same workload, salt and closed-loop concurrency go through the simulator with two
+replicas (second one without KV events): that is the calibration (predicted vs measured cached
+tokens). The oracle for a real run is the simulator's oracle on the same salted workload (the real
+assistant answers of agent turns differ in words, not in length).
+(b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
+
+Results: benchmarks/results/routing.json, routing.png, routing.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
+                             default_tokenizer, run_simulation)
+from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad, SharedPrefixWorkload,  # noqa: E402
+                      run_load)
+from loadtest.stats import percentile  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+POLICIES = ["round_robin", "least_loaded", "session", "cache_aware"]
+# Demo model: byte-level BPE with 1,024 tokens needs ~0.42 words per token (OpenAI's 0.75 is for
+# big vocabularies), so "600 tokens" in the workload means about 600 demo-model tokens.
+WORDS_PER_TOKEN = 0.42
+# The CPU demo engines, roughly (prefill ~0.4 ms/token under the shared 2-core machine's load).
+DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_seq=0.004, max_running=64,
+                          max_batched_tokens=2048, kv_capacity_blocks=65536)
+
+
+# -- real fleet -----------------------------------------------------------------------------------
+
+class ThreadGateway:
+    """The real gateway app (gateway.app.create_app) served by uvicorn in a thread."""
+
+    def __init__(self, config: Any) -> None:
+        import uvicorn
+
+        from gateway.app import create_app
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config.server.port = self.port
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+# The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
+# under its own replica names, and deletes them before each gateway so every run starts cold.
+REDIS_URL = "redis://127.0.0.1:6379/14"
+REPLICA_PREFIX = "rtb-"
+
+
+def clear_bench_index(redis_url: str = REDIS_URL) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(r.scan_iter(match=f"yg:prefix:demo:r:{REPLICA_PREFIX}*"))
+        if keys:
+            r.delete(*keys)
+        fields = [f for f in r.hkeys("yg:prefix:demo:capacity") if f.decode().startswith(REPLICA_PREFIX)]
+        if fields:
+            r.hdel("yg:prefix:demo:capacity", *fields)
+    finally:
+        r.close()
+
+
+def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: str,
+                       redis_url: str = REDIS_URL, tag: str = "") -> Any:
+    """One `standard` tier with every engine as a replica."""
+    from gateway.config import Config, ServerConfig
+    from serving.config import FleetConfig, ReplicaConfig, TierConfig
+
+    replicas = [ReplicaConfig(name=f"{REPLICA_PREFIX}{tag}{i}", tier="standard", url=url, kv_events_endpoint=kv)
+                for i, (url, kv) in enumerate(engines)]
+    return Config(server=ServerConfig(redis_url=redis_url),
+                  fleet=FleetConfig(model="demo", model_path=model_path, block_size=32, replicas=replicas,
+                                    tiers={"standard": TierConfig(policy=policy)}, health_interval_s=1.0,
+                                    scrape_interval_s=1.0))
+
+
+def count_dispatches(gw: ThreadGateway) -> tuple[dict[str, int], list[int]]:
+    """Per-replica dispatch counts and predicted cached tokens, read off the gateway's routing
+    adapter (the gateway exports no per-replica request counter yet)."""
+    routing = gw.app.state.gateway.routing
+    counts: dict[str, int] = {}
+    predicted: list[int] = []
+    pick = routing.pick
+
+    def counting_pick(ctx: Any, request: Any, candidates: Any) -> Any:
+        decision = pick(ctx, request, candidates)
+        counts[decision.replica.name] = counts.get(decision.replica.name, 0) + 1
+        predicted.append(decision.predicted_cached_tokens)
+        return decision
+
+    routing.pick = counting_pick
+    return counts, predicted
+
+
+def real_workloads(seed: int) -> list[Any]:
+    return [
+        SharedPrefixWorkload(seed=seed, tenants=4, prefix_tokens=600, users_per_tenant=8, user_context_tokens=32,
+                             suffix_tokens=40, output_tokens=4, words_per_token=WORDS_PER_TOKEN),
+        AgentSessionWorkload(seed=seed, system_tokens=300, first_user_tokens=100, turns_min=3, turns_max=5,
+                             tool_output_tokens=100, followup_tokens=30, output_tokens=4,
+                             words_per_token=WORDS_PER_TOKEN),
+    ]
+
+
+async def _interleaved(gateways: dict[str, ThreadGateway], conc: int, sizes: list[int], rounds: int,
+                       seed: int) -> dict[str, dict]:
+    """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
+    take turns round by round, so the shared machine's drift hits them alike."""
+    from loadtest import Runner, Target
+
+    state: dict[str, dict] = {}
+    runners: list[Any] = []
+    for policy, gw in gateways.items():
+        parts = []
+        for workload, n in zip(real_workloads(seed), sizes):
+            salt = CacheSalt.random()
+            runner = Runner(Target(base_url=gw.url, model="demo", name=f"{policy}@c{conc}"), workload,
+                            cache_salt=salt, seed=seed)
+            await runner.__aenter__()
+            runners.append(runner)
+            parts.append({"workload": workload, "n": n, "salt": salt.value, "runner": runner})
+        state[policy] = {"parts": parts, "records": [], "duration": 0.0}
+    try:
+        for k in range(rounds):
+            for policy, st in state.items():
+                for part in st["parts"]:
+                    n = part["n"] // rounds + (1 if k < part["n"] % rounds else 0)
+                    if n <= 0:
+                        continue
+                    _, records, duration = await part["runner"].run_phase(
+                        ConcurrencyLoad(concurrency=conc), Bounds(requests=n, timeout_s=120))
+                    st["records"] += [r for r in records if r.ok and not r.warmup]
+                    st["duration"] += duration
+    finally:
+        for runner in runners:
+            await runner.__aexit__(None, None, None)
+    return state
+
+
+def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int,
+             engines: list[tuple[str, str]], model_path: str, tokenizer: Any, seed: int,
+             rounds: int = 4) -> list[dict]:
+    import asyncio
+
+    rows: list[dict] = []
+    for conc in loads:
+        clear_bench_index()
+        gateways: dict[str, ThreadGateway] = {}
+        counters: dict[str, tuple[dict[str, int], list[int]]] = {}
+        try:
+            for i, policy in enumerate(policies):
+                # Distinct replica names per gateway: they share one Redis DB for the prefix index.
+                gateways[policy] = gw = ThreadGateway(two_replica_config(policy, engines, model_path, tag=str(i)))
+                counters[policy] = count_dispatches(gw)
+            time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
+            state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed))
+        finally:
+            for gw in gateways.values():
+                gw.stop()
+            clear_bench_index()
+        for policy in policies:
+            st = state[policy]
+            counts, predicted = counters[policy]
+            records = st["records"]
+            sim_parts: list[PolicyResult] = []
+            for part in st["parts"]:
+                phases = [part["n"] // rounds + (1 if k < part["n"] % rounds else 0) for k in range(rounds)]
+                sim_cfg = SimConfig(policy=policy, replicas=2, arrival="concurrency", concurrency=conc,
+                                    requests=part["n"], phases=[n for n in phases if n > 0], seed=seed,
+                                    cache_salt=part["salt"], scrape_interval_s=1.0,
+                                    engines=[DEMO_ENGINE, msgspec.structs.replace(DEMO_ENGINE, kv_events=False)])
+                sim_parts.append(run_simulation(part["workload"], sim_cfg,
+                                                prompts=PromptBuilder(tokenizer, part["salt"])))
+            prompt = sum(r.prompt_tokens for r in records)
+            cached = sum(r.cached_tokens or 0 for r in records)
+            sim_prompt = sum(p.prompt_tokens for p in sim_parts)
+            sim_cached = sum(p.cached_tokens for p in sim_parts)
+            sim_oracle = sum(p.oracle_cached_tokens for p in sim_parts)
+            oracle_ratio = sim_oracle / sim_prompt if sim_prompt else 0.0
+            ttft = sorted(r.ttft_ms for r in records if r.ttft_ms is not None)
+            mean = sum(counts.values()) / max(1, len(engines))
+            row = {
+                "policy": policy, "concurrency": conc, "requests": len(records),
+                "prompt_tokens": prompt, "cached_tokens": cached,
+                "cached_ratio": cached / prompt if prompt else 0.0,
+                "oracle_ratio": oracle_ratio,
+                "ratio_to_oracle": (cached / prompt) / oracle_ratio if oracle_ratio and prompt else 1.0,
+                "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
+                "throughput_rps": len(records) / st["duration"] if st["duration"] else 0.0,
+                "requests_per_replica": counts,
+                "load_max_over_mean": max(counts.values()) / mean if counts and mean else 1.0,
+                "predicted_cached_tokens": sum(predicted),
+                "sim_prompt_tokens": sim_prompt,
+                "sim_cached_ratio": sim_cached / sim_prompt if sim_prompt else 0.0,
+                "sim_ratio_to_oracle": sim_cached / sim_oracle if sim_oracle else 1.0,
+                "sim_ttft_p90_ms": max(p.ttft_p90_s for p in sim_parts) * 1000,
+            }
+            rows.append(row)
+            print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {row['sim_cached_ratio']:.1%}, "
+                  f"oracle {oracle_ratio:.1%}) prompt tokens real/sim {prompt}/{sim_prompt} "
+                  f"ttft p50/p90 {row['ttft_p50_ms']:.0f}/{row['ttft_p90_ms']:.0f} ms "
+                  f"{row['throughput_rps']:.2f} req/s load {counts}", flush=True)
+    return rows
+
+
+# -- simulated large fleet -------------------------------------------------------------------------
+
+def large_mix(seed: int, tenants: int) -> WorkloadMix:
+    return WorkloadMix([
+        (SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=1000, users_per_tenant=16,
+                              user_context_tokens=64, suffix_tokens=64, output_tokens=64,
+                              words_per_token=WORDS_PER_TOKEN), 0.75),
+        (AgentSessionWorkload(seed=seed, system_tokens=400, first_user_tokens=200, tool_output_tokens=200,
+                              followup_tokens=40, output_tokens=64, words_per_token=WORDS_PER_TOKEN), 0.25),
+    ], seed=seed)
+
+
+def run_sim(policies: list[str], rates: list[float], requests: int, replicas: int, tenants: int,
+            kv_blocks: int, tokenizer: Any, seed: int) -> list[dict]:
+    prompts = PromptBuilder(tokenizer)
+    rows = []
+    for rate in rates:
+        for policy in policies:
+            cfg = SimConfig(policy=policy, replicas=replicas, requests=requests, rate=rate, seed=seed,
+                            session_ids=True, engine=EngineModel(kv_capacity_blocks=kv_blocks))
+            t = time.perf_counter()
+            r = run_simulation(large_mix(seed, tenants), cfg, prompts=prompts)
+            row = msgspec.to_builtins(r)
+            row.pop("requests_per_replica")
+            row["rate"] = rate
+            rows.append(row)
+            print(f"sim rate={rate:<5g} {policy:<13} cached {r.cached_ratio:.1%} /oracle {r.ratio_to_oracle:.1%} "
+                  f"ttft p50/p90 {r.ttft_p50_s * 1000:.0f}/{r.ttft_p90_s * 1000:.0f} ms {r.throughput_rps:.0f} req/s "
+                  f"load {r.load_max_over_mean:.2f} busy {r.busy_max_over_mean:.2f} "
+                  f"({time.perf_counter() - t:.0f}s)", flush=True)
+    return rows
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+def plot(real: list[dict], sim: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
+    ax = axes[0]
+    if real:
+        loads = sorted({r["concurrency"] for r in real})
+        labels, meas, pred, orac = [], [], [], []
+        for c in loads:
+            for r in (x for x in real if x["concurrency"] == c):
+                labels.append(f"{r['policy']}\nc={c}")
+                meas.append(r["cached_ratio"] * 100)
+                pred.append(r["sim_cached_ratio"] * 100)
+                orac.append(r["oracle_ratio"] * 100)
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], meas, 0.4, label="real (usage.cached_tokens)")
+        ax.bar([x + 0.2 for x in xs], pred, 0.4, label="simulator prediction")
+        ax.plot(list(xs), orac, "k_", markersize=18, label="oracle")
+        ax.set_xticks(list(xs), labels, fontsize=7, rotation=45, ha="right")
+        ax.set_ylabel("cached tokens / prompt tokens (%)")
+        ax.set_title("2 demo engines: real vs simulated hit rate")
+        ax.legend(fontsize=7, loc="lower center")
+    for ax, key, title, scale in ((axes[1], "ratio_to_oracle", "64 replicas (sim): cached / oracle (%)", 100),
+                                  (axes[2], "ttft_p90_s", "64 replicas (sim): TTFT p90 (ms)", 1000),
+                                  (axes[3], "load_max_over_mean", "64 replicas (sim): max/mean requests/replica", 1)):
+        for policy in POLICIES:
+            pts = [(r["rate"], r[key] * scale) for r in sim if r["policy"] == policy]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=policy)
+        if key == "load_max_over_mean":
+            ax.axhline(1.25, color="grey", linestyle="--", linewidth=1, label="goal 1.25")
+        ax.set_xlabel("offered load (sessions/s)")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    axes[2].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def html_table(real: list[dict], sim: list[dict], image: str = "routing.png") -> str:
+    def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+        head = "".join(f"<th>{h}</th>" for h, _, _ in cols)
+        body = "".join("<tr>" + "".join(f"<td>{format(r[k], f) if f else r[k]}</td>" for _, k, f in cols) + "</tr>"
+                       for r in rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    real_cols = [("concurrency", "concurrency", ""), ("policy", "policy", ""), ("requests", "requests", ""),
+                 ("cached", "cached_ratio", ".1%"), ("sim predicted", "sim_cached_ratio", ".1%"),
+                 ("oracle", "oracle_ratio", ".1%"), ("cached/oracle", "ratio_to_oracle", ".1%"),
+                 ("TTFT p50 ms", "ttft_p50_ms", ".0f"), ("TTFT p90 ms", "ttft_p90_ms", ".0f"),
+                 ("req/s", "throughput_rps", ".2f"), ("max/mean load", "load_max_over_mean", ".2f")]
+    sim_cols = [("sessions/s", "rate", "g"), ("policy", "policy", ""), ("requests", "requests", ""),
+                ("cached", "cached_ratio", ".1%"), ("oracle", "oracle_ratio", ".1%"),
+                ("cached/oracle", "ratio_to_oracle", ".1%"), ("TTFT p50 s", "ttft_p50_s", ".3f"),
+                ("TTFT p90 s", "ttft_p90_s", ".3f"), ("req/s", "throughput_rps", ".0f"),
+                ("max/mean requests", "load_max_over_mean", ".2f"), ("max/mean busy", "busy_max_over_mean", ".2f")]
+    style = ("<style>table{border-collapse:collapse;font:13px sans-serif}"
+             "td,th{border:1px solid #ccc;padding:3px 8px}</style>")
+    return (f"<html><head><meta charset='utf-8'><title>yieldgate routing</title>{style}</head><body>"
+            "<h2>Real: 2 demo engines behind one gateway tier</h2>"
+            f"{table(real, real_cols) if real else '<p>not run</p>'}"
+            f"<h2>Simulated: 64 replicas</h2>{table(sim, sim_cols) if sim else '<p>not run</p>'}"
+            f"<p><img src='{image}' width='100%'></p></body></html>")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--standard", default="http://127.0.0.1:8101")
+    ap.add_argument("--standard-kv", default="tcp://127.0.0.1:5557")
+    ap.add_argument("--fast", default="http://127.0.0.1:8102")
+    ap.add_argument("--fast-kv", default="")
+    ap.add_argument("--loads", default="2,6", help="real closed-loop concurrencies")
+    ap.add_argument("--rates", default="50,100,200,300,400", help="simulated sessions/s")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "routing"))
+    args = ap.parse_args(argv)
+
+    from serving.demo_model import ensure_demo_model
+
+    policies = [p for p in args.policies.split(",") if p]
+    model_path = str(ensure_demo_model())
+    tok = default_tokenizer(model_path)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+    real = previous.get("real", [])
+    sim = previous.get("sim", [])
+    if args.real:
+        loads = [int(x) for x in args.loads.split(",")]
+        real = run_real(policies, loads, 12 if args.quick else 40, 8 if args.quick else 20,
+                        [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed)
+    if args.sim:
+        rates = [float(x) for x in args.rates.split(",")]
+        sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
+    doc = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "real": real, "sim": sim,
+           "sim_setup": {"replicas": 64, "tenants": 256, "prefix_tokens": 1000, "kv_capacity_blocks": 2048,
+                         "engine": msgspec.to_builtins(EngineModel()), "agent_share": 0.25},
+           "real_setup": {"engines": [args.standard, args.fast], "kv_events": [args.standard_kv, args.fast_kv],
+                          "demo_engine_model": msgspec.to_builtins(DEMO_ENGINE)}}
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
+    plot(real, sim, out.with_suffix(".png"))
+    out.with_suffix(".html").write_text(html_table(real, sim, out.name + ".png"))
+    print(f"wrote {out}.json/.png/.html")
+
+
+if __name__ == "__main__":
+    main()

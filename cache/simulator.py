@@ -1,0 +1,632 @@
+"""Discrete-event fleet simulator: the gateway's routing code on N modelled vLLM replicas.
+
+What is real and what is modelled:
+- real: ``cache.Router`` with ``build_policy`` (the gateway's policies, not a copy), a real
+  ``cache.PrefixIndex`` fed exactly like the gateway feeds it (``Router.observe`` at dispatch +
+  the engines' BlockStored/BlockRemoved events), ``cache.BlockHasher`` chained block hashes, the
+  real ``cache.Tokenizer`` of the served model (demo model by default) and the load tester's own
+  seeded workload generators (``loadtest.workload``), rendered into chat messages the way
+  ``loadtest.runner`` renders them (same cache-salt prefix, append-only history).
+- modelled: each replica is a continuous-batching engine: a step admits waiting requests FIFO
+  (up to ``max_running`` and ``max_batched_tokens`` of uncached prefill) and decodes one token
+  for every running request; step time = ``step_s + prefill_s_per_token * uncached tokens +
+  context_s_per_token * cached tokens + decode_s_per_seq * running``. The KV cache holds
+  ``kv_capacity_blocks`` blocks: blocks of running requests are pinned, finished requests'
+  prompt blocks stay cached and are evicted LRU (tail first, as vLLM frees them) when space is
+  needed. Like vLLM, blocks are cached when a
+  request is scheduled, the last prompt token is never a cache hit, and generated tokens are
+  not reused (the next turn re-tokenizes the answer).
+- assistant answers of multi-turn sessions are deterministic filler text of about ``max_tokens``
+  tokens (seeded by session and turn): the real model's words differ, their length does not.
+
+Oracle: the cached tokens a single cache of infinite capacity would give the same request
+sequence (each request hits the longest block prefix sent by *any* earlier request, minus
+vLLM's last-token rule). No router on any fleet can beat it, so ``cached / oracle`` is the
+fraction of the achievable prefix reuse a policy captures.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import typer
+
+from cache.blocks import BlockHash, BlockHashConfig, BlockHasher
+from cache.prefix_index import PrefixIndex, PrefixIndexConfig
+from cache.routing import Router, RouterConfig, UnknownPolicy
+from cache.scorers import RouteRequest
+from cache.tokenizer import Tokenizer
+
+# Filler words for simulated assistant answers; ~0.45 words per demo-model token.
+_ANSWER_WORDS = "ok so the result is done next step we will check cache and tokens then reply".split()
+_ANSWER_WORDS_PER_TOKEN = 0.45
+
+
+class EngineModel(msgspec.Struct, frozen=True, kw_only=True):
+    """Cost model of one replica. Defaults: roughly an 8B model on one modern GPU."""
+
+    prefill_s_per_token: float = 5e-5
+    # Prefill of the new tokens still attends over the cached prefix: cost per cached token read.
+    # Small on a GPU; on CPU engines a cached prompt still costs a fair share of an uncached one.
+    context_s_per_token: float = 0.0
+    step_s: float = 0.008  # fixed cost of one engine step (kernel launches, sampling)
+    decode_s_per_seq: float = 2e-4  # extra step time per running sequence
+    max_running: int = 64
+    max_batched_tokens: int = 8192  # prefill tokens admitted per step (first request always fits)
+    kv_capacity_blocks: int = 8192
+    kv_events: bool = True  # False: the index learns only from Router.observe (approximate)
+
+
+class SimConfig(msgspec.Struct, kw_only=True):
+    policy: str = "cache_aware"
+    replicas: int = 4
+    engine: EngineModel = EngineModel()
+    engines: list[EngineModel] | None = None  # per replica, overrides `engine`
+    router: RouterConfig = RouterConfig()
+    block_size: int = 32
+    hash_seed: str | None = "0"
+    # Load model, as loadtest: "poisson" = sessions arrive at `rate`/s; "concurrency" = closed loop.
+    arrival: Literal["poisson", "concurrency"] = "poisson"
+    rate: float = 10.0
+    burstiness: float = 1.0
+    concurrency: int = 8
+    requests: int = 1000  # turns sent (a multi-turn session sends one per turn)
+    phases: list[int] = []  # split `requests` into successive load-test phases (sizes); [] = one
+    seed: int = 0
+    cache_salt: str = ""  # loadtest CacheSalt.value in "prefix" mode: same prompts as a salted run
+    session_ids: bool = False  # send the session id (x-session-id); the load tester does not
+    scrape_interval_s: float = 2.0  # engine gauges (running/waiting) the router sees are this stale
+    kv_event_delay_s: float = 0.0
+    # The gateway calls Router.observe once the upstream POST has answered (response headers),
+    # not at pick time: concurrent requests in between do not see the prefix on its replica.
+    observe_delay_s: float = 0.0
+
+
+class PolicyResult(msgspec.Struct, kw_only=True):
+    policy: str
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    oracle_cached_tokens: int
+    cached_ratio: float
+    oracle_ratio: float  # oracle_cached_tokens / prompt_tokens
+    ratio_to_oracle: float  # cached_tokens / oracle_cached_tokens
+    ttft_p50_s: float
+    ttft_p90_s: float
+    e2e_p50_s: float
+    throughput_rps: float
+    throughput_tokens_s: float  # prompt + completion tokens per second
+    duration_s: float
+    requests_per_replica: dict[str, int]
+    load_max_over_mean: float  # requests per replica
+    busy_max_over_mean: float  # engine busy time per replica
+    predicted_cached_tokens: int  # what the router's index predicted at dispatch
+    evicted_blocks: int
+
+
+class SimRequest:
+    __slots__ = ("id", "session", "turn", "tokens", "hashes", "n_prompt", "n_out", "arrival", "replica",
+                 "cached_blocks", "pinned", "anon_blocks", "first_token", "finish", "remaining", "done_cb",
+                 "predicted", "oracle_blocks")
+
+    def __init__(self, rid: int, session: str, turn: int, tokens: list[int], hashes: list[BlockHash],
+                 n_out: int, arrival: float) -> None:
+        self.id = rid
+        self.session = session
+        self.turn = turn
+        self.tokens = tokens
+        self.hashes = hashes
+        self.n_prompt = len(tokens)
+        self.n_out = max(1, n_out)
+        self.arrival = arrival
+        self.replica: SimReplica | None = None
+        self.cached_blocks = 0
+        self.pinned: list[BlockHash] = []
+        self.anon_blocks = 0
+        self.first_token: float | None = None
+        self.finish: float | None = None
+        self.remaining = self.n_out
+        self.done_cb: Callable[[SimRequest, float], None] | None = None
+        self.predicted = 0
+        self.oracle_blocks = 0
+
+
+class KVCache:
+    """Block pool of one engine: pinned blocks (refcounted) + LRU of evictable cached blocks."""
+
+    def __init__(self, capacity_blocks: int, on_store: Callable[[list[BlockHash]], None],
+                 on_remove: Callable[[list[BlockHash]], None]) -> None:
+        self.capacity = capacity_blocks
+        self.pinned: dict[BlockHash, int] = {}
+        self.free: OrderedDict[BlockHash, None] = OrderedDict()  # oldest first
+        self.anon = 0  # blocks without a reusable hash (partial tail, decode)
+        self.on_store = on_store
+        self.on_remove = on_remove
+        self.evicted = 0
+
+    def used(self) -> int:
+        return len(self.pinned) + self.anon
+
+    def hit_blocks(self, hashes: Sequence[BlockHash], n_prompt: int, block_size: int) -> int:
+        # vLLM recomputes at least the last prompt token, so a full hit stops one block short.
+        limit = min(len(hashes), (n_prompt - 1) // block_size)
+        n = 0
+        while n < limit and (hashes[n] in self.pinned or hashes[n] in self.free):
+            n += 1
+        return n
+
+    def allocate(self, req: SimRequest, block_size: int, force: bool = False) -> bool:
+        """Pin the request's blocks, evicting LRU cached blocks; False if it does not fit now.
+
+        `force` (an idle engine) admits a request even if it overcommits the pool, as vLLM
+        would rather than hang; such requests are rare and only in tiny-capacity configs.
+        """
+        hit = self.hit_blocks(req.hashes, req.n_prompt, block_size)
+        anon = math.ceil((req.n_prompt + req.n_out) / block_size) - len(req.hashes)
+        fresh = [h for h in req.hashes if h not in self.pinned and h not in self.free]
+        reused = [h for h in req.hashes if h in self.free]
+        if not force and len(fresh) + anon + len(self.pinned) + self.anon + len(reused) > self.capacity:
+            return False
+        for h in reused:
+            del self.free[h]
+        removed: list[BlockHash] = []
+        held = len(self.pinned) + self.anon + len(reused) + len(fresh) + anon
+        while self.free and held + len(self.free) > self.capacity:
+            removed.append(self.free.popitem(last=False)[0])
+        if removed:
+            self.evicted += len(removed)
+            self.on_remove(removed)
+        for h in req.hashes:
+            self.pinned[h] = self.pinned.get(h, 0) + 1
+        self.anon += anon
+        req.pinned = list(req.hashes)
+        req.anon_blocks = anon
+        req.cached_blocks = hit
+        if fresh:
+            self.on_store(fresh)
+        return True
+
+    def release(self, req: SimRequest) -> None:
+        self.anon -= req.anon_blocks
+        # Freed tail-first (vLLM frees in reverse): the prefix head is evicted last.
+        for h in reversed(req.pinned):
+            n = self.pinned[h] - 1
+            if n:
+                self.pinned[h] = n
+            else:
+                del self.pinned[h]
+                self.free[h] = None
+        req.pinned = []
+        req.anon_blocks = 0
+
+
+class SimReplica:
+    """One modelled engine. Satisfies cache.Candidate (name, inflight, num_waiting, num_running,
+    kv_capacity_blocks) so the real Router scores it like a serving.Replica."""
+
+    def __init__(self, sim: "FleetSimulator", name: str, model: EngineModel) -> None:
+        self.sim = sim
+        self.name = name
+        self.model = model
+        self.kv_capacity_blocks: int | None = model.kv_capacity_blocks
+        self.inflight = 0
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.cache = KVCache(model.kv_capacity_blocks, self._stored, self._removed)
+        self.busy = False
+        self.busy_s = 0.0
+        self.served = 0
+        self._version = 0
+        self._plan: tuple[float, float, int, list[SimRequest]] | None = None  # start, step, k, admitted
+        self._gauges = (0.0, 0.0)
+        self._scraped_at = -math.inf
+
+    # -- Candidate protocol: engine gauges as last scraped ---------------------------------------
+    def _scrape(self) -> tuple[float, float]:
+        now = self.sim.now
+        if now - self._scraped_at >= self.sim.config.scrape_interval_s:
+            self._gauges = (float(len(self.waiting)), float(len(self.running)))
+            self._scraped_at = now
+        return self._gauges
+
+    @property
+    def num_waiting(self) -> float:
+        return self._scrape()[0]
+
+    @property
+    def num_running(self) -> float:
+        return self._scrape()[1]
+
+    # -- KV events -> prefix index ---------------------------------------------------------------
+    def _stored(self, hashes: list[BlockHash]) -> None:
+        if self.model.kv_events:
+            self.sim.kv_event(lambda: self.sim.index.store(self.name, hashes))
+
+    def _removed(self, hashes: list[BlockHash]) -> None:
+        if self.model.kv_events:
+            self.sim.kv_event(lambda: self.sim.index.remove(self.name, hashes))
+
+    # -- engine loop -----------------------------------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        self.inflight += 1
+        self.waiting.append(req)
+        if not self.busy:
+            self._next_step()
+        elif self._plan is not None and self._plan[2] > 1:
+            self._cut_plan()
+
+    def _cut_plan(self) -> None:
+        """A request arrived during a multi-step decode run: end the run at the next step boundary."""
+        start, step, k, admitted = self._plan
+        done = int((self.sim.now - start) / step) + 1
+        if done < k:
+            self._plan = (start, step, done, admitted)
+            self._version += 1
+            self.sim.schedule(start + done * step, self._step_end, self._version)
+
+    def _next_step(self) -> None:
+        m = self.model
+        bs = self.sim.config.block_size
+        admitted: list[SimRequest] = []
+        prefill = 0
+        context = 0
+        while self.waiting and len(self.running) + len(admitted) < m.max_running:
+            req = self.waiting[0]
+            hit = self.cache.hit_blocks(req.hashes, req.n_prompt, bs)
+            uncached = req.n_prompt - hit * bs
+            if admitted and prefill + uncached > m.max_batched_tokens:
+                break
+            idle = not admitted and not self.running
+            if not self.cache.allocate(req, bs, force=idle):
+                break
+            self.waiting.pop(0)
+            prefill += req.n_prompt - req.cached_blocks * bs
+            context += req.cached_blocks * bs
+            admitted.append(req)
+        decoding = len(self.running)
+        if not admitted and not decoding:
+            self.busy = False
+            self._plan = None
+            return
+        self.busy = True
+        step = m.step_s + m.decode_s_per_seq * (decoding + len(admitted))
+        if admitted:
+            k, duration = 1, step + m.prefill_s_per_token * prefill + m.context_s_per_token * context
+        else:
+            k = min(r.remaining for r in self.running)
+            duration = step
+        self._plan = (self.sim.now, duration, k, admitted)
+        self._version += 1
+        self.sim.schedule(self.sim.now + duration * k, self._step_end, self._version)
+
+    def _step_end(self, version: int) -> None:
+        if version != self._version or self._plan is None:
+            return
+        start, step, k, admitted = self._plan
+        now = self.sim.now
+        self.busy_s += now - start
+        for r in self.running:
+            r.remaining -= k
+        for r in admitted:
+            r.first_token = now
+            r.remaining -= 1
+            self.running.append(r)
+        still: list[SimRequest] = []
+        for r in self.running:
+            if r.remaining <= 0:
+                r.finish = now
+                self.cache.release(r)
+                self.inflight -= 1
+                self.served += 1
+                if r.done_cb is not None:
+                    r.done_cb(r, now)
+            else:
+                still.append(r)
+        self.running = still
+        self._plan = None
+        self._next_step()
+
+
+class FleetSimulator:
+    """Event loop + clients + router. ``run()`` returns a PolicyResult."""
+
+    def __init__(self, config: SimConfig, sessions: Iterator[Any], prompts: "PromptBuilder") -> None:
+        self.config = config
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self.index = PrefixIndex(PrefixIndexConfig(default_capacity_blocks=config.engine.kv_capacity_blocks))
+        self.hasher = BlockHasher(BlockHashConfig(block_size=config.block_size, hash_seed=config.hash_seed))
+        self.router = Router(config.policy, self.index, hasher=self.hasher, config=config.router)
+        engines = config.engines or [config.engine] * config.replicas
+        self.replicas = [SimReplica(self, f"r{i:02d}", m) for i, m in enumerate(engines)]
+        self.sessions = sessions
+        self.prompts = prompts
+        self.done: list[SimRequest] = []
+        self.issued = 0
+        self._oracle: set[BlockHash] = set()
+        self._arrivals = random.Random(f"{config.seed}:arrivals")
+        self._ids = itertools.count()
+
+    # -- event loop ------------------------------------------------------------------------------
+    def schedule(self, at: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), fn, args))
+
+    def kv_event(self, apply: Callable[[], None]) -> None:
+        if self.config.kv_event_delay_s > 0:
+            self.schedule(self.now + self.config.kv_event_delay_s, apply)
+        else:
+            apply()
+
+    def run(self) -> PolicyResult:
+        sizes = self.config.phases or [self.config.requests]
+        self._limits = list(itertools.accumulate(sizes))
+        self._phase = -1
+        self._holders = 0
+        self._next_phase()
+        while self._events:
+            at, _, fn, args = heapq.heappop(self._events)
+            self.now = at
+            fn(*args)
+        return self._result()
+
+    # -- clients (mirror loadtest.runner) ---------------------------------------------------------
+    def _next_phase(self) -> None:
+        """Like Runner.run_phase: fresh workers (or a fresh arrival stream) on the same session
+        stream; sessions still running when a phase runs out of requests are cut there."""
+        self._phase += 1
+        if self._phase >= len(self._limits):
+            return
+        if self.config.arrival == "concurrency":
+            for _ in range(max(1, self.config.concurrency)):
+                self._holders += 1
+                self.schedule(self.now, self._worker_next)
+        else:
+            self._holders += 1
+            self.schedule(self.now, self._poisson_next)
+
+    def _release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._next_phase()
+
+    def _claim(self) -> bool:
+        if self.issued >= self._limits[self._phase]:
+            return False
+        self.issued += 1
+        return True
+
+    def _poisson_next(self) -> None:
+        session = next(self.sessions, None)
+        if session is None or not self._claim():
+            self._release()
+            return
+        self._holders += 1
+        self._start_session(session, then=self._release)
+        k = self.config.burstiness
+        self.schedule(self.now + self._arrivals.gammavariate(k, 1.0 / (self.config.rate * k)), self._poisson_next)
+
+    def _worker_next(self) -> None:
+        if not self._claim():
+            self._release()
+            return
+        session = next(self.sessions, None)
+        if session is None:
+            self.issued -= 1
+            self._release()
+            return
+        self._start_session(session, then=self._worker_next)
+
+    def _start_session(self, session: Any, then: Callable[[], None]) -> None:
+        state = {"messages": self.prompts.start(session), "turn": 0}
+
+        def send_turn() -> None:
+            k = state["turn"]
+            turn = session.turns[k]
+            self.prompts.add_user(state["messages"], turn)
+            self._dispatch(session, k, state["messages"], turn.max_tokens, on_done)
+
+        def on_done(req: SimRequest, now: float) -> None:
+            self.prompts.add_answer(state["messages"], session.id, req.turn, req.n_out)
+            state["turn"] += 1
+            k = state["turn"]
+            if k < len(session.turns) and self._claim():
+                self.schedule(now + session.turns[k].think_time_s, send_turn)
+            else:
+                then()
+
+        send_turn()
+
+    # -- the gateway's routing step ---------------------------------------------------------------
+    def _dispatch(self, session: Any, turn: int, messages: list[dict[str, str]], max_tokens: int,
+                  on_done: Callable[[SimRequest, float], None]) -> None:
+        tokens = self.prompts.encode(messages)
+        hashes = self.hasher.hashes(tokens)
+        req = SimRequest(next(self._ids), session.id, turn, tokens, hashes, max_tokens, self.now)
+        # Oracle: one infinite cache that has seen every earlier request.
+        limit = min(len(hashes), (len(tokens) - 1) // self.config.block_size)
+        n = 0
+        while n < limit and hashes[n] in self._oracle:
+            n += 1
+        req.oracle_blocks = n
+        self._oracle.update(hashes)
+        route = RouteRequest(block_hashes=hashes, session_id=session.id if self.config.session_ids else None)
+        decision = self.router.pick(route, self.replicas)
+        req.predicted = decision.predicted_cached_tokens
+        if self.config.observe_delay_s > 0:
+            self.schedule(self.now + self.config.observe_delay_s, self.router.observe, decision)
+        else:
+            self.router.observe(decision)
+        req.done_cb = lambda r, now: (self.done.append(r), on_done(r, now))
+        decision.replica.submit(req)
+
+    # -- results -----------------------------------------------------------------------------------
+    def _result(self) -> PolicyResult:
+        bs = self.config.block_size
+        done = self.done
+        prompt = sum(r.n_prompt for r in done)
+        cached = sum(r.cached_blocks * bs for r in done)
+        oracle = sum(r.oracle_blocks * bs for r in done)
+        ttft = sorted(r.first_token - r.arrival for r in done)
+        e2e = sorted(r.finish - r.arrival for r in done)
+        t0 = min((r.arrival for r in done), default=0.0)
+        t1 = max((r.finish for r in done), default=0.0)
+        duration = max(t1 - t0, 1e-9)
+        served = {r.name: r.served for r in self.replicas}
+        mean = sum(served.values()) / len(served) if served else 0.0
+        busy = [r.busy_s for r in self.replicas]
+        busy_mean = sum(busy) / len(busy) if busy else 0.0
+        return PolicyResult(
+            policy=self.config.policy, requests=len(done), prompt_tokens=prompt, cached_tokens=cached,
+            oracle_cached_tokens=oracle, cached_ratio=cached / prompt if prompt else 0.0,
+            oracle_ratio=oracle / prompt if prompt else 0.0,
+            ratio_to_oracle=cached / oracle if oracle else 1.0,
+            ttft_p50_s=_pct(ttft, 50), ttft_p90_s=_pct(ttft, 90), e2e_p50_s=_pct(e2e, 50),
+            throughput_rps=len(done) / duration,
+            throughput_tokens_s=(prompt + sum(r.n_out for r in done)) / duration, duration_s=duration,
+            requests_per_replica=served, load_max_over_mean=max(served.values()) / mean if mean else 1.0,
+            busy_max_over_mean=max(busy) / busy_mean if busy_mean else 1.0,
+            predicted_cached_tokens=sum(r.predicted for r in done),
+            evicted_blocks=sum(r.cache.evicted for r in self.replicas),
+        )
+
+
+def _pct(values: Sequence[float], p: float) -> float:
+    if not values:
+        return 0.0
+    k = (len(values) - 1) * p / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+class PromptBuilder:
+    """Chat messages as loadtest.runner builds them, tokenized as the engine's chat endpoint does.
+
+    The rendered ChatML text is cut before every special token that opens a message; each piece is
+    tokenized once and memoized. Exact, because the tokenizer never merges across special tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, cache_salt: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.salt_prefix = f"[cache-salt {cache_salt}]\n" if cache_salt else ""
+        self._piece = lru_cache(maxsize=65536)(self._encode_piece)
+
+    def _encode_piece(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def start(self, session: Any) -> list[dict[str, str]]:
+        if session.system is None:
+            return []
+        return [{"role": "system", "content": self.salt_prefix + session.system}]
+
+    def add_user(self, messages: list[dict[str, str]], turn: Any) -> None:
+        content = turn.user if turn.tool_output is None else f"{turn.tool_output}\n\n{turn.user}"
+        if not messages and self.salt_prefix:
+            content = self.salt_prefix + content
+        messages.append({"role": "user", "content": content})
+
+    def add_answer(self, messages: list[dict[str, str]], session_id: str, turn: int, n_tokens: int) -> None:
+        rng = random.Random(f"answer:{session_id}:{turn}")
+        words = max(1, round(n_tokens * _ANSWER_WORDS_PER_TOKEN))
+        messages.append({"role": "assistant", "content": " ".join(rng.choices(_ANSWER_WORDS, k=words))})
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.render_chat(messages)
+        out: list[int] = []
+        for i, piece in enumerate(text.split("<|im_start|>")):
+            if i:
+                piece = "<|im_start|>" + piece
+            if piece:
+                out.extend(self._piece(piece))
+        return out
+
+
+class WorkloadMix:
+    """Interleaves several loadtest workloads' sessions by weight (seeded), e.g. 70% shared-prefix
+    requests and 30% agent sessions."""
+
+    def __init__(self, parts: Sequence[tuple[Any, float]], seed: int = 0) -> None:
+        self.parts = list(parts)
+        self.seed = seed
+
+    def sessions(self) -> Iterator[Any]:
+        rng = random.Random(f"{self.seed}:mix")
+        streams = [w.sessions() for w, _ in self.parts]
+        weights = [wt for _, wt in self.parts]
+        while True:
+            k = rng.choices(range(len(streams)), weights=weights)[0]
+            yield next(streams[k])
+
+
+def default_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
+    if model_dir is None:
+        from serving.demo_model import ensure_demo_model  # the served demo model by default
+        model_dir = ensure_demo_model()
+    return Tokenizer.from_model_dir(model_dir)
+
+
+def run_simulation(workload: Any, config: SimConfig = SimConfig(), tokenizer: Tokenizer | None = None,
+                   prompts: PromptBuilder | None = None) -> PolicyResult:
+    """Simulate `workload` (a loadtest Workload or a WorkloadMix) under `config.policy`.
+
+    Deterministic: the same workload, config and tokenizer give the same result.
+    """
+    if prompts is None:
+        prompts = PromptBuilder(tokenizer or default_tokenizer(), config.cache_salt)
+    return FleetSimulator(config, workload.sessions(), prompts).run()
+
+
+def compare_policies(workload: Any, config: SimConfig, policies: Sequence[str],
+                     tokenizer: Tokenizer | None = None) -> list[PolicyResult]:
+    """The same workload and load under each policy (tokenization memo shared across runs)."""
+    prompts = PromptBuilder(tokenizer or default_tokenizer(), config.cache_salt)
+    return [run_simulation(workload, msgspec.structs.replace(config, policy=p), prompts=prompts)
+            for p in policies]
+
+
+# -- CLI: `yieldgate simulate` (gateway/cli.py: app.command("simulate")(simulate_command)) ----------
+
+def simulate_command(
+    replicas: int = typer.Option(8, help="Replicas in the tier."),
+    tenants: int = typer.Option(64, help="Shared-prefix tenants."),
+    prefix_tokens: int = typer.Option(1000, help="Tenant system prefix, approximate demo-model tokens."),
+    agent_share: float = typer.Option(0.25, help="Fraction of sessions that are multi-turn agent sessions."),
+    requests: int = typer.Option(2000, help="Requests (turns) to send."),
+    rate: float = typer.Option(20.0, help="Sessions per second (Poisson)."),
+    kv_blocks: int = typer.Option(4096, help="KV cache capacity per replica, in blocks."),
+    policies: str = typer.Option("round_robin,least_loaded,session,cache_aware", help="Comma-separated."),
+    seed: int = typer.Option(0, help="Workload and arrival seed."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Simulate routing policies on a modelled fleet, with the gateway's own routing code."""
+    from loadtest.workload import AgentSessionWorkload, SharedPrefixWorkload
+
+    mix = WorkloadMix([
+        (SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=prefix_tokens, users_per_tenant=16,
+                              output_tokens=64, words_per_token=0.42), 1.0 - agent_share),
+        (AgentSessionWorkload(seed=seed, output_tokens=64, words_per_token=0.42), agent_share),
+    ], seed=seed)
+    cfg = SimConfig(replicas=replicas, requests=requests, rate=rate, seed=seed, session_ids=True,
+                    engine=EngineModel(kv_capacity_blocks=kv_blocks))
+    try:
+        results = compare_policies(mix, cfg, [p.strip() for p in policies.split(",") if p.strip()])
+    except UnknownPolicy as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(msgspec.json.encode(results).decode())
+        return
+    typer.echo(f"{'policy':<14}{'cached':>8}{'/oracle':>9}{'ttft p50':>10}{'ttft p90':>10}{'req/s':>8}{'max/mean':>9}")
+    for r in results:
+        typer.echo(f"{r.policy:<14}{r.cached_ratio:>8.1%}{r.ratio_to_oracle:>9.1%}{r.ttft_p50_s * 1000:>8.0f}ms"
+                   f"{r.ttft_p90_s * 1000:>8.0f}ms{r.throughput_rps:>8.1f}{r.load_max_over_mean:>9.2f}")

@@ -1,0 +1,146 @@
+"""The gateway's hot path, functionally: streams are relayed chunk by chunk, upstream connections
+are reused, and nothing (connections, asyncio tasks) leaks after many requests.
+
+The upstream is benchmarks/fake_upstream.py in a subprocess: these tests are about the gateway's own
+plumbing, which a real engine would only make slower and noisier. No timing thresholds beyond a
+generous "arrivals are spread out" check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.config import Config, LimitsConfig, ServerConfig
+from serving.config import FleetConfig, ReplicaConfig, TierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+ITL_MS = 50
+TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _counters(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {line.split()[0].removeprefix("fake_upstream_"): int(line.split()[1])
+            for line in text.splitlines() if line}
+
+
+@pytest.fixture(scope="module")
+def fake_upstream():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_upstream.py"), "--port", str(port),
+                             "--itl-ms", str(ITL_MS), "--tokens", str(TOKENS)], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("fake upstream did not start")
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
+    """An in-process gateway whose one-replica fleet is the fake upstream (round robin: no tokenizer)."""
+    config = Config(
+        server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
+        limits=LimitsConfig(streams_per_key=1000),
+        fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
+                          tiers={"standard": TierConfig(policy="round_robin")}),
+    )
+    config.pricing.ledger.journal_dir = str(tmp_path / "journal")
+    return gateway_factory(config)
+
+
+def _in_gateway_loop(gw, coro_fn):
+    """Run coro_fn() on the in-process gateway's event loop (it runs in another thread)."""
+    loop = gw.gateway.proxy.session._loop
+    return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result(10)
+
+
+async def _chat(session: aiohttp.ClientSession, url: str, stream: bool, max_tokens: int = 2) -> bytes:
+    # Two tokens: a stream then lasts one upstream ITL, so a thousand of them stay quick.
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+            "stream": stream}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.read()
+
+
+async def test_stream_is_relayed_chunk_by_chunk(hot_gateway):
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKENS,
+            "stream": True}
+    arrivals: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(hot_gateway.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            async for chunk in resp.content.iter_any():
+                for _ in range(chunk.count(b'"delta":{"content"')):
+                    arrivals.append(time.perf_counter())
+    assert len(arrivals) == TOKENS
+    # The upstream emits one token every ITL_MS; buffered relaying would deliver them all at once.
+    # Require only a third of the emitted spread, so a loaded machine cannot make this flake.
+    spread_ms = (arrivals[-1] - arrivals[0]) * 1000
+    assert spread_ms >= (TOKENS - 1) * ITL_MS / 3, spread_ms
+    distinct = {round(t * 1000 / (ITL_MS / 2)) for t in arrivals}
+    assert len(distinct) >= TOKENS // 2
+
+
+async def test_upstream_connections_are_reused(hot_gateway, fake_upstream):
+    before = _counters(fake_upstream)["connections_total"]
+    async with aiohttp.ClientSession() as s:
+        for i in range(200):
+            await _chat(s, hot_gateway.url, stream=i % 10 == 1)
+    opened = _counters(fake_upstream)["connections_total"] - before
+    # Sequential requests need one pooled connection (a couple more if the pool recycles one).
+    assert opened <= 3, opened
+
+
+async def test_no_leaked_connections_or_tasks(hot_gateway, fake_upstream):
+    async def count_tasks() -> int:
+        return len(asyncio.all_tasks())
+
+    async with aiohttp.ClientSession() as s:
+        await asyncio.gather(*(_chat(s, hot_gateway.url, stream=False) for _ in range(20)))
+        baseline = _in_gateway_loop(hot_gateway, count_tasks)
+        sem = asyncio.Semaphore(100)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await _chat(s, hot_gateway.url, stream=i % 2 == 0)
+
+        await asyncio.gather(*(one(i) for i in range(1000)))
+    await asyncio.sleep(0.5)  # let finished streams' cleanup callbacks run
+    after = _in_gateway_loop(hot_gateway, count_tasks)
+    # The client pool is closed: the gateway must hold no request task and no stream open.
+    assert after <= baseline + 2, (baseline, after)
+    counters = _counters(fake_upstream)
+    assert counters["streams_open"] == 0
+    # Open upstream connections are the gateway's keep-alive pool (+ health checks), bounded by
+    # the client concurrency, not growing with the request count.
+    assert counters["connections_open"] <= 110, counters
+    connector = hot_gateway.gateway.proxy.session.connector
+    acquired = sum(1 for _ in connector._acquired)
+    assert acquired == 0
