@@ -274,13 +274,24 @@ class SharedPrefixIndex:
         self.local.set_capacity(replica, capacity_blocks)
         self._emit(_Op(self.origin, _CAPACITY, replica, [], int(capacity_blocks)))
 
+    # Only blocks this index did not hold yet go to Redis: a hot prefix is re-recorded by every
+    # request that uses it, and re-sending it would cost a Redis write per request for nothing
+    # (recency of known blocks is kept locally; Redis only seeds gateways that start later).
     def record(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        new = self._new(replica, block_hashes)
         self.local.record(replica, block_hashes)
-        self._emit(_Op(self.origin, _RECORD, replica, list(block_hashes)))
+        if new:
+            self._emit(_Op(self.origin, _RECORD, replica, new))
 
     def store(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        new = self._new(replica, block_hashes)
         self.local.store(replica, block_hashes)
-        self._emit(_Op(self.origin, _STORE, replica, list(block_hashes)))
+        if new:
+            self._emit(_Op(self.origin, _STORE, replica, new))
+
+    def _new(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        holds = self.local.holds
+        return [h for h in block_hashes if not holds(replica, h)]
 
     def remove(self, replica: str, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)

@@ -16,6 +16,7 @@ Engine defaults mirrored (vLLM /v1/completions and /tokenize):
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,10 @@ Backend = Literal["tiktoken", "hf"]
 # The pre-tokenizer ByteLevel(use_regex=True) uses GPT-2's split pattern.
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
+
+# Segments shorter than this are cheaper to encode than to look up; the cache holds this many.
+_CACHE_MIN_CHARS = 256
+_CACHE_MAX_SEGMENTS = 4096
 
 class NotConvertible(ValueError):
     """The HF tokenizer cannot be expressed exactly as a tiktoken Encoding."""
@@ -181,6 +186,13 @@ class Tokenizer:
         self._rank_to_id = rank_to_id
         self.not_convertible_reason = not_convertible_reason
         self.backend: Backend = "tiktoken" if encoding is not None else "hf"
+        self._segment_cache: dict[str, list[int]] = {}
+        self._special_split = None
+        self._special_ids: dict[str, int] = {}
+        if encoding is not None and encoding.special_tokens_set:
+            specials = sorted(encoding.special_tokens_set, key=len, reverse=True)
+            self._special_ids = {t: self._ids([encoding.encode_single_token(t)])[0] for t in specials}
+            self._special_split = re.compile("(" + "|".join(map(re.escape, specials)) + ")").split
         # Post-processor template (e.g. BOS + A): found by diffing one encode
         # with and without special tokens, which works for any template processor.
         plain = hf.encode("a", add_special_tokens=False).ids
@@ -221,13 +233,42 @@ class Tokenizer:
         if self.encoding is None:
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         # HF splits added tokens out of any text, whatever add_special_tokens says.
-        ids = self.encoding.encode(text, allowed_special="all")
-        if self._rank_to_id is not None:
-            table = self._rank_to_id
-            ids = [table[r] for r in ids]
+        ids = self._encode_segments(text)
         if add_special_tokens and (self._prefix or self._suffix):
             return self._prefix + ids + self._suffix
         return ids
+
+    def _encode_segments(self, text: str) -> list[int]:
+        """tiktoken's encode, one special-token-delimited segment at a time, long segments cached.
+
+        BPE never merges across a special token, so encoding the text between special tokens on its
+        own gives the same ids; a system prompt or tool list shared by many requests is then
+        encoded once (the rendered chat template puts each message between special tokens).
+        """
+        assert self.encoding is not None
+        if self._special_split is None:
+            return self._ids(self.encoding.encode(text, allowed_special="all"))
+        out: list[int] = []
+        cache = self._segment_cache
+        for i, piece in enumerate(self._special_split(text)):
+            if not piece:
+                continue
+            if i % 2:  # odd pieces are the special tokens the split captured
+                out.append(self._special_ids[piece])
+                continue
+            ids = cache.get(piece) if len(piece) >= _CACHE_MIN_CHARS else None
+            if ids is None:
+                ids = self._ids(self.encoding.encode_ordinary(piece))
+                if len(piece) >= _CACHE_MIN_CHARS:
+                    if len(cache) >= _CACHE_MAX_SEGMENTS:
+                        del cache[next(iter(cache))]  # oldest first
+                    cache[piece] = ids
+            out.extend(ids)
+        return out
+
+    def _ids(self, ranks: list[int]) -> list[int]:
+        table = self._rank_to_id
+        return ranks if table is None else [table[r] for r in ranks]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if self.encoding is None:

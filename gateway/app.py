@@ -6,7 +6,7 @@ import contextlib
 import hmac
 import ipaddress
 import logging
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -111,6 +111,36 @@ def _with_components(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+class InferenceFastPath:
+    """Serves the two inference routes straight from ASGI, skipping FastAPI's router, dependency
+    solver and exception layers (a tenth of the gateway's CPU per request). The FastAPI routes of
+    the same paths remain for the OpenAPI document and behave identically."""
+
+    _KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+    def __init__(self, app: Any, gateway: Gateway):
+        self.app = app
+        self.gw = gateway
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        kind = self._KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        gw = self.gw
+        request = Request(scope, receive)
+        try:
+            request.state.api_key = await gw.accounting.authenticate(request)
+            response = await gw.proxy.handle(kind, request)
+        except APIError as exc:
+            gw.metrics.rejections.labels(exc.code or exc.type).inc()
+            response = exc.response()
+        except Exception:
+            log.exception("unexpected error on %s", scope["path"])
+            response = error_response(500, "Internal gateway error.", "server_error", code="internal_error")
+        await response(scope, receive, send)
+
+
 def create_app(config: Config) -> FastAPI:
     check_exposure(config)
     gw = Gateway(config)
@@ -151,6 +181,7 @@ def create_app(config: Config) -> FastAPI:
         # API-key auth for inference endpoints; the proxy reads request.state.api_key.
         request.state.api_key = await gw.accounting.authenticate(request)
 
+    app.add_middleware(InferenceFastPath, gateway=gw)
     app.include_router(build_admin_router(gw))
     app.include_router(build_intake_router(gw))
     app.include_router(build_feedback_router(gw, api_key))
