@@ -15,6 +15,12 @@ def home_dir() -> Path:
     return Path(os.environ.get("YIELDGATE_HOME") or Path.home() / ".cache" / "yieldgate")
 
 
+def kv_events_ipc(replica: str) -> str:
+    """Where a launched engine publishes KV events. vLLM binds wildcard and ipc:// endpoints and
+    *connects* to tcp://host:port ones; an IPC socket binds without listening on any network."""
+    return f"ipc://{home_dir() / 'run' / f'kv-events-{replica}.sock'}"
+
+
 class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     """A vLLM OpenAI server that yieldgate starts as a child process."""
 
@@ -22,7 +28,7 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     args: list[str] = []          # extra `vllm serve` arguments
     env: dict[str, str] = {}
     cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
-    kv_events_port: int = 0       # >0: publish KV events on tcp://127.0.0.1:PORT
+    kv_events: bool = False       # publish KV events on a local IPC socket (see kv_events_ipc)
     startup_timeout_s: float = 600.0
 
 
@@ -46,8 +52,8 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
     def kv_events(self) -> str:
         if self.kv_events_endpoint:
             return self.kv_events_endpoint
-        if self.launch is not None and self.launch.kv_events_port:
-            return f"tcp://127.0.0.1:{self.launch.kv_events_port}"
+        if self.launch is not None and self.launch.kv_events:
+            return kv_events_ipc(self.name)
         return ""
 
 
@@ -69,7 +75,6 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     replicas: list[ReplicaConfig] = []
     # With no replicas listed, the fleet is the demo fleet: two launched engines on these ports.
     demo_base_port: int = 8101
-    demo_kv_base_port: int = 5557
     demo_engine_args: list[str] = []
     health_interval_s: float = 2.0
     scrape_interval_s: float = 2.0
@@ -77,7 +82,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if not self.replicas:
-            self.replicas = demo_replicas(self.demo_base_port, self.demo_kv_base_port, self.demo_engine_args)
+            self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args)
         if not self.tiers:
             self.tiers = {t: TierConfig() for t in sorted({r.tier for r in self.replicas})}
         names = [r.name for r in self.replicas]
@@ -109,7 +114,7 @@ _SPEC_DECODE = (
 )
 
 
-def demo_replicas(base_port: int, kv_base_port: int, extra_args: list[str]) -> list[ReplicaConfig]:
+def demo_replicas(base_port: int, extra_args: list[str]) -> list[ReplicaConfig]:
     """One standard and one fast engine, each pinned to its own core of a 2-core machine."""
     extra = list(extra_args)
     return [
@@ -118,7 +123,7 @@ def demo_replicas(base_port: int, kv_base_port: int, extra_args: list[str]) -> l
             tier="standard",
             cost_per_hour="0.40",
             launch=LaunchSpec(
-                port=base_port, cpus="0", kv_events_port=kv_base_port, args=_COMMON_ARGS + extra
+                port=base_port, cpus="0", kv_events=True, args=_COMMON_ARGS + extra
             ),
         ),
         ReplicaConfig(
@@ -128,7 +133,7 @@ def demo_replicas(base_port: int, kv_base_port: int, extra_args: list[str]) -> l
             launch=LaunchSpec(
                 port=base_port + 1,
                 cpus="1",
-                kv_events_port=kv_base_port + 1,
+                kv_events=True,
                 args=_COMMON_ARGS + ["--speculative-config", _SPEC_DECODE] + extra,
             ),
         ),

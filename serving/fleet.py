@@ -14,6 +14,10 @@ from .config import FleetConfig, ReplicaConfig
 
 log = logging.getLogger("yieldgate.fleet")
 
+# vLLM reports "default" as the weight version it was launched with; the gateway calls it "base".
+BASE_VERSION = "base"
+ENGINE_BASE_VERSION = "default"
+
 # Engine counters and gauges the gateway reads; summed over label sets (engine index, position).
 SCRAPED = (
     "vllm:num_requests_running",
@@ -80,7 +84,12 @@ class Fleet:
         return [r for r in self.replicas.values() if r.tier == tier]
 
     def candidates(self, tier: str) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.tier == tier and r.routable]
+        own = [r for r in self.replicas.values() if r.tier == tier and r.routable]
+        if own or not any(r.tier == tier and r.healthy and not r.admitted for r in self.replicas.values()):
+            return own
+        # The tier's only replicas are out for a weight rollout: borrow the others (same model)
+        # meanwhile; the request keeps its tier (and tier price), x-yieldgate-replica says who served.
+        return [r for r in self.replicas.values() if r.routable]
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
@@ -116,7 +125,20 @@ class Fleet:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
+        if ok and not replica.healthy:
+            await self._read_weight_version(replica)
         self.set_health(replica, ok)
+
+    async def _read_weight_version(self, replica: Replica) -> None:
+        """Label responses with what the engine really serves (it may have been updated before)."""
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/weight_info") as resp:
+                if resp.status == 200:
+                    version = str((await resp.json()).get("weight_version") or ENGINE_BASE_VERSION)
+                    replica.weight_version = BASE_VERSION if version == ENGINE_BASE_VERSION else version
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            pass  # older engines without /weight_info keep the configured label
 
     def set_health(self, replica: Replica, ok: bool) -> None:
         if ok != replica.healthy:

@@ -8,6 +8,7 @@ itself dies without cleaning up.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -40,12 +41,11 @@ def engine_command(model_path: str, served_name: str, block_size: int, replica: 
         "--port", str(spec.port),
         "--block-size", str(block_size),
     ]
-    if spec.kv_events_port:
-        cmd += [
-            "--kv-events-config",
-            '{"enable_kv_cache_events":true,"publisher":"zmq",'
-            f'"endpoint":"tcp://127.0.0.1:{spec.kv_events_port}","topic":"kv-events"}}',
-        ]
+    if spec.kv_events:
+        endpoint = replica.kv_events
+        Path(endpoint.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+        cmd += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"})]
     return cmd + list(spec.args)
 
 

@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # YIELDGATE_TEST_PORT_BASE moves every port of the test stack (two suites on one machine).
 GATEWAY_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
 ENGINE_BASE_PORT = GATEWAY_PORT + 101
-KV_BASE_PORT = GATEWAY_PORT + 121
 STARTUP_TIMEOUT_S = 900
 
 
@@ -66,7 +65,6 @@ redis_url = "{redis_url}"
 model = "demo"
 block_size = 32
 demo_base_port = {ENGINE_BASE_PORT}
-demo_kv_base_port = {KV_BASE_PORT}
 """
 
 
@@ -120,7 +118,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
         engines={"standard": f"http://127.0.0.1:{ENGINE_BASE_PORT}",
                  "fast": f"http://127.0.0.1:{ENGINE_BASE_PORT + 1}"},
         model="demo", model_dir=model_dir,
-        kv_events_endpoint=f"tcp://127.0.0.1:{KV_BASE_PORT}",
+        kv_events_endpoint=f"ipc://{home / 'run' / 'kv-events-standard-0.sock'}",
         admin_token=admin_token, process=proc, home=home, config_path=config_path,
         extra={"log_path": log_path, "started_s": time.monotonic() - started},
     )
