@@ -1,8 +1,8 @@
 """The trainer bridge against a real vLLM engine running the `yieldgate` weight-transfer plugin.
 
-Uses the session `stack`'s standard engine when that stack is already up (or
-YIELDGATE_TB_USE_STACK=1) and its engine runs the yieldgate backend; otherwise starts one engine
-of its own on port 8300 and stops it afterwards. Every test leaves the engine on known weights.
+Uses the session `stack`'s standard engine (it runs the yieldgate backend), borrowing the push
+token from the gateway; only if that engine lacks the backend does it start one engine of its own
+on port 8300 and stop it afterwards. Every test leaves the engine on known weights.
 """
 
 from __future__ import annotations
@@ -75,21 +75,26 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, log_path: Path | None
     pytest.fail(f"engine at {url} not healthy after {timeout_s}s")
 
 
-def _stack_engine(request) -> tuple[str, Path] | None:
-    """The stack's standard engine, if the stack is (or may be) up and runs our backend."""
-    defs = request._fixturemanager.getfixturedefs("stack", request.node) or []
-    started = any(getattr(d, "cached_result", None) is not None for d in defs)
-    if not defs or not (started or os.environ.get("YIELDGATE_TB_USE_STACK") == "1"):
-        return None
+def _stack_engine(request) -> tuple[str, Path, str] | None:
+    """The session stack's standard engine, if it runs our backend.
+
+    The gateway owns the engines' push token; the test borrows the engine by rotating to its own
+    token with the gateway's as `current_token` (read from the admin API) and hands it back after.
+    """
     stack = request.getfixturevalue("stack")
     url = stack.engines["standard"]
     if EngineClient(url).transfer_backend() != "yieldgate":
         return None
+    resp = httpx.get(stack.gateway_url + "/admin/weight_targets", params={"direct": 1, "tier": "standard"},
+                     headers={"Authorization": f"Bearer {stack.admin_token}"}, timeout=60)
+    if resp.status_code != 200:
+        return None
+    gateway_token = resp.json()["push_token"]
     try:
-        arm_engine(url, TOKEN, current_token=stack.extra.get("push_token"))
+        arm_engine(url, TOKEN, current_token=gateway_token)
     except PushRefused:
-        return None  # the gateway holds the push token: do not fight it
-    return url, Path(stack.model_dir)
+        return None  # armed by someone else: do not fight it
+    return url, Path(stack.model_dir), gateway_token
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +115,14 @@ def engine(request, tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             raise
     else:
-        url, model_dir = found
+        url, model_dir, gateway_token = found
     try:
         yield url, model_dir
     finally:
         if proc is None:
-            reload_from_checkpoint(url, model_dir, "default")  # hand the shared engine back clean
+            # Hand the shared engine back clean: base weights, and the gateway's push token.
+            reload_from_checkpoint(url, model_dir, "default")
+            arm_engine(url, gateway_token, current_token=TOKEN)
         else:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

@@ -1,0 +1,156 @@
+"""Gateway-orchestrated weight rollouts against the real session stack (two vLLM engines running
+the `yieldgate` weight-transfer backend behind `yieldgate up`).
+
+The tests run in order and share one story: push wr-1 under load, refuse a bad canary, roll back
+to base. The stack ends on its original weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer_bridge import push, write_checkpoint
+
+pytestmark = pytest.mark.engine
+
+PROMPT = "Once upon a time"
+LONG_PROMPT = " ".join(f"The quick brown fox number {i} jumps over the lazy dog." for i in range(30))
+NEW = "wr-1"
+
+
+def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+
+
+@pytest.fixture(scope="module")
+def admin(stack) -> httpx.Client:
+    with httpx.Client(base_url=stack.gateway_url, timeout=300,
+                      headers={"Authorization": f"Bearer {stack.admin_token}"}) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def base_weights(stack) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(stack.model_dir) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def story(stack, admin) -> dict:
+    """Remembers outputs across the ordered tests; always hands the stack back on base weights."""
+    state: dict = {}
+    yield state
+    versions = {r["weight_version"] for r in admin.get("/admin/weights").json()["replicas"].values()}
+    if versions != {"base"}:
+        admin.post("/admin/weights/rollback", json={"to_version": "base"})
+
+
+def complete(gateway: str, prompt: str = PROMPT, model: str = "demo", max_tokens: int = 12) -> httpx.Response:
+    return httpx.post(gateway + "/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def versions(admin: httpx.Client) -> dict[str, str]:
+    return {n: r["weight_version"] for n, r in admin.get("/admin/weights").json()["replicas"].items()}
+
+
+def test_unauthenticated_rollout_is_refused(stack, admin, story):
+    before = versions(admin)
+    resp = httpx.post(stack.gateway_url + "/admin/weights", json={"version": "evil", "source": "push"})
+    assert resp.status_code == 401
+    assert resp.json()["error"]["code"] == "invalid_admin_token"
+    assert httpx.get(stack.gateway_url + "/admin/weight_targets").status_code == 401
+    assert versions(admin) == before
+    story["base_text"] = complete(stack.gateway_url).json()["choices"][0]["text"]
+
+
+def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights):
+    # Warm the standard engine's prefix cache with a long prompt: the repeat is served from cache.
+    engine = stack.engines["standard"]
+    for _ in range(2):
+        usage = complete(engine, LONG_PROMPT, max_tokens=1).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+    seen: list[tuple[float, str, str, int, str]] = []  # (t, replica, version, status, fingerprint)
+    stop = threading.Event()
+
+    def load(model: str) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                r = http.post(stack.gateway_url + "/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                fp = r.json().get("system_fingerprint", "") if r.status_code == 200 else r.text[:200]
+                seen.append((time.monotonic(), r.headers.get("x-yieldgate-replica", ""),
+                             r.headers.get("x-yieldgate-weight-version", ""), r.status_code, fp))
+
+    threads = [threading.Thread(target=load, args=(m,)) for m in ("demo", "demo:fast")]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        report = push(perturbed(base_weights, 1), NEW, gateway=stack.gateway_url,
+                      token=stack.admin_token, progress=False)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+    assert report.version == NEW
+    failed = [s for s in seen if s[3] != 200]
+    assert not failed, failed[:5]
+    assert {s[2] for s in seen} <= {"base", NEW}
+    assert all(fp == f"yieldgate-{v}" for _, _, v, _, fp in seen)
+    # A clean switch per replica: once a replica answered with NEW, it never answers with base.
+    for replica in {s[1] for s in seen}:
+        served = [v for _, r, v, _, _ in sorted(seen) if r == replica]
+        assert served == sorted(served, key=lambda v: v == NEW), (replica, served)
+    assert set(versions(admin).values()) == {NEW}
+
+    state = admin.get("/admin/weights").json()["rollout"]
+    assert state["state"] == "succeeded" and state["version"] == NEW
+    assert [e["event"] for e in state["timeline"]].count("admitted") == len(stack.engines)
+
+    # Prefix cache was reset by the update: the long prompt is computed afresh.
+    usage = complete(engine, LONG_PROMPT, max_tokens=1).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+    resp = complete(stack.gateway_url)
+    assert resp.headers["x-yieldgate-weight-version"] == NEW
+    assert resp.json()["system_fingerprint"] == f"yieldgate-{NEW}"
+    story["new_text"] = resp.json()["choices"][0]["text"]
+    assert story["new_text"] != story["base_text"]
+
+
+def test_failed_canary_keeps_serving_old_weights(stack, admin, story, base_weights, tmp_path):
+    ckpt = write_checkpoint(perturbed(base_weights, 2), stack.model_dir, tmp_path / "bad")
+    resp = admin.post("/admin/weights", json={
+        "version": "wr-bad", "source": {"checkpoint": str(ckpt)}, "mode": "rolling", "wait": True,
+        "canary": {"prompt": PROMPT, "expect_substring": "no model says this \u2603"}})
+    assert resp.status_code == 200, resp.text
+    state = resp.json()["rollout"]
+    assert state["state"] == "failed"
+    assert "evaluation" in state["reason"]
+    assert state["failed_replica"]
+    assert set(versions(admin).values()) == {NEW}
+    for model in ("demo", "demo:fast"):
+        r = complete(stack.gateway_url, model=model)
+        assert r.headers["x-yieldgate-weight-version"] == NEW
+        assert r.json()["choices"][0]["text"] == story["new_text"]
+
+
+def test_rollback_to_previous_version_in_one_call(stack, admin, story):
+    resp = admin.post("/admin/weights/rollback", json={})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["rollout"]["version"] == "base"
+    assert set(versions(admin).values()) == {"base"}
+    r = complete(stack.gateway_url)
+    assert r.headers["x-yieldgate-weight-version"] == "base"
+    assert r.json()["choices"][0]["text"] == story["base_text"]
