@@ -26,18 +26,24 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import httpx
 import msgspec
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from msgspec import Meta
 from starlette.responses import Response
 
 from serving.config import home_dir
 from serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION, Fleet as ServingFleet, Replica
-from trainer_bridge import BridgeConfig, CheckpointStore, EngineClient, PushRefused, RolloutFailed
-from trainer_bridge import reload_from_checkpoint
+from trainer_bridge import (
+    BridgeConfig,
+    CheckpointStore,
+    EngineClient,
+    PushRefused,
+    RolloutFailed,
+    reload_from_checkpoint,
+    wire,
+)
 from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
 from trainer_bridge.rollout import Rollout
 from trainer_bridge.weights import WeightSet
-from trainer_bridge import wire
 
 from .admin import decode_body, json_response
 from .errors import APIError, InvalidRequest, NotFound
