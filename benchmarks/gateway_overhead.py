@@ -41,7 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", "/tmp/litellm-venv"))
 LITELLM_SPEC = "litellm[proxy]==1.108.*"
-MODEL_PATH = "/tmp/yghome/models/demo-llama-s0-4e9a9ceff4"
+MODEL_PATH = ""  # set in main(): the generated demo model (its tokenizer drives cache-aware routing)
 REDIS_URL = "redis://127.0.0.1:6379/12"
 KEY_PREFIX = "ygbench:"
 MASTER_KEY = "sk-bench-master-key"
@@ -616,6 +616,9 @@ SWEEP_SLOW = [50, 100, 150, 200, 300, 400, 500, 750, 1000]
 
 
 def main() -> None:
+    global MODEL_PATH
+    from serving.demo_model import ensure_demo_model
+    MODEL_PATH = str(ensure_demo_model())
     p = argparse.ArgumentParser(description="gateway overhead: direct vs yieldgate vs LiteLLM")
     p.add_argument("--quick", action="store_true", help="fewer requests (~6 min instead of ~20)")
     p.add_argument("--skip-litellm", action="store_true")

@@ -232,6 +232,8 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     unary: list[tuple[int, str, str]] = []
     streams: list[tuple[int, str, bytes]] = []
     url = gw.url + "/v1/chat/completions"
+    lock = threading.Lock()
+    live_on_victim = [0]  # streams currently being read from the replica about to be killed
 
     def unary_worker(i: int) -> None:
         with httpx.Client(timeout=120) as http:
@@ -252,9 +254,19 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
                 n += 1
                 try:
                     with http.stream("POST", url, json={
-                            "model": "demo", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                            "model": "demo", "max_tokens": 2000, "ignore_eos": True, "stream": True,
                             "messages": [{"role": "user", "content": f"stream {i} {n}"}]}) as r:
-                        streams.append((r.status_code, r.headers.get("x-yieldgate-replica", ""), r.read()))
+                        replica = r.headers.get("x-yieldgate-replica", "")
+                        on_victim = replica == "chaos-0"
+                        if on_victim:
+                            with lock:
+                                live_on_victim[0] += 1
+                        try:
+                            streams.append((r.status_code, replica, r.read()))
+                        finally:
+                            if on_victim:
+                                with lock:
+                                    live_on_victim[0] -= 1
                 except httpx.HTTPError as exc:
                     streams.append((0, "", repr(exc).encode()))
 
@@ -264,7 +276,9 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
         t.start()
     try:
         victim = fleet.replicas["chaos-0"]
-        wait_until(lambda: victim.inflight >= 3 and len(unary) >= 2, 60, "load on the victim replica")
+        # Kill only once a stream is mid-flight there (on a quiet machine streams finish quickly).
+        wait_until(lambda: live_on_victim[0] >= 1 and victim.inflight >= 2 and len(unary) >= 2, 90,
+                   "a stream and other load on the victim replica")
         inflight_at_kill = victim.inflight
         chaos_engine.sigkill()
         killed_at = time.monotonic()

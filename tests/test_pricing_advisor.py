@@ -1,7 +1,6 @@
 """Cache-friendliness advisor fed with deliberately cache-hostile chat traffic, tokenized with the
 demo model's tokenizer when available (byte-level ids otherwise: the demo BPE is byte-level too)."""
 
-import glob
 import json
 import os
 
@@ -16,13 +15,11 @@ HISTORY = ["How do I sort a list in Python?", "Use sorted(xs) or xs.sort().",
 
 
 def _tokenizer():
-    home = os.environ.get("YIELDGATE_HOME", "/tmp/yghome")
-    found = sorted(glob.glob(f"{home}/models/demo-llama-*/tokenizer.json"))
-    if found:
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(found[0])
-        return lambda s: tok.encode(s, add_special_tokens=False).ids
-    return lambda s: list(s.encode())
+    from serving.demo_model import ensure_demo_model
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ensure_demo_model() / "tokenizer.json"))
+    return lambda s: tok.encode(s, add_special_tokens=False).ids
 
 
 encode = _tokenizer()
