@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
                              default_tokenizer, run_simulation)
-from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad, SharedPrefixWorkload,  # noqa: E402
-                      run_load)
+from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad,  # noqa: E402
+                      SharedPrefixWorkload)
 from loadtest.stats import percentile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -50,33 +48,7 @@ DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_se
 
 # -- real fleet -----------------------------------------------------------------------------------
 
-class ThreadGateway:
-    """The real gateway app (gateway.app.create_app) served by uvicorn in a thread."""
-
-    def __init__(self, config: Any) -> None:
-        import uvicorn
-
-        from gateway.app import create_app
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config.server.port = self.port
-        self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("gateway did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+from gateway.embedded import EmbeddedGateway as ThreadGateway  # noqa: E402
 
 
 # The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and

@@ -150,40 +150,8 @@ def async_client(stack):
                               max_retries=0, timeout=120)
 
 
-class InProcessGateway:
-    """A second gateway (uvicorn in a thread) with its own config, for fault and multi-gateway tests."""
-
-    def __init__(self, config):
-        import socket
-        import threading
-
-        import uvicorn
-
-        from gateway.app import create_app
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config.server.port = self.port
-        self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("in-process gateway did not start")
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    @property
-    def gateway(self):
-        return self.app.state.gateway
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+# A second gateway (uvicorn in a thread) with its own config, for fault and multi-gateway tests.
+from gateway.embedded import EmbeddedGateway as InProcessGateway  # noqa: E402
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 demo model's tokenizer when available (byte-level ids otherwise: the demo BPE is byte-level too)."""
 
 import json
-import os
 
 import pytest
 

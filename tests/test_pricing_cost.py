@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricing import (Cost, FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig,
+from pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig,
                      Usage, WIRE_ENCODER)
 
 TOML = b'''

@@ -14,7 +14,6 @@ import uuid
 from decimal import Decimal
 
 import pytest
-import redis.asyncio as aioredis
 
 from pricing import (Ledger, LedgerRecord, PriceBook, RedisStore, SQLiteStore, StoreUnavailable,
                      Usage)
