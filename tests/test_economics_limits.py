@@ -76,11 +76,13 @@ def test_rate_limit_is_429_with_retry_after(keyed):
     assert 'yieldgate_rejections_total{reason="rate_limit_exceeded"} 1.0' in metrics
 
 
-def test_budget_shared_by_two_gateways_holds_under_concurrency(stack, redis_url, tmp_path, gateway_factory):
+def test_budget_shared_by_two_gateways_holds_under_concurrency(stack, redis_url, tmp_path,
+                                                              gateway_process_factory):
     cfg_a = economics_config(stack, tmp_path / "a", redis_url, require_keys=True)
     cfg_b = economics_config(stack, tmp_path / "b", redis_url, require_keys=True)
     cfg_b.pricing.limits.prefix = cfg_a.pricing.limits.prefix  # same keys and budgets in Redis
-    a, b = gateway_factory(cfg_a), gateway_factory(cfg_b)
+    # Two gateway processes: the only thing they share is Redis.
+    a, b = gateway_process_factory(cfg_a), gateway_process_factory(cfg_b)
     try:
         book = PriceBook(cfg_a.pricing)
         _, probe = create_key(a.url, team="probe")
