@@ -1,0 +1,154 @@
+"""Faults of the gateway's own state: the gateway SIGKILLed, Redis stopped under load.
+
+Both end with the same reconciliation: every request a client got an answer for is in the ledger
+exactly once, and the ledger's cost equals the sum of the costs the clients were told, exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from gateway.config import Config, ServerConfig
+from serving.config import FleetConfig, ReplicaConfig
+
+ADMIN = "chaos-admin-" + uuid.uuid4().hex[:8]
+
+
+def chaos_config(stack, tmp_path, redis_url: str, store: str) -> Config:
+    config = Config(
+        server=ServerConfig(admin_token=ADMIN, redis_url=redis_url, data_dir=str(tmp_path / "data")),
+        fleet=FleetConfig(model=stack.model, health_interval_s=0.5, replicas=[
+            ReplicaConfig(name="std", tier="standard", url=stack.engines["standard"])]))
+    config.pricing.ledger.store = store
+    config.pricing.ledger.redis_url = redis_url
+    config.pricing.ledger.redis_prefix = f"ygchaos-{uuid.uuid4().hex[:8]}:"
+    config.pricing.limits.redis_url = redis_url
+    return config
+
+
+def ask(url: str, i: int) -> tuple[int, str, Decimal]:
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": f"chaos {i}"}]})
+    cost = Decimal(r.headers.get("x-yieldgate-cost-usd", "0"))
+    return r.status_code, r.headers.get("x-request-id", ""), cost
+
+
+def ledger(url: str) -> dict[str, list[dict[str, str]]]:
+    resp = httpx.get(url + "/admin/ledger.csv", headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+    resp.raise_for_status()
+    rows: dict[str, list[dict[str, str]]] = {}
+    for row in csv.DictReader(io.StringIO(resp.text)):
+        rows.setdefault(row["request_id"], []).append(row)
+    return rows
+
+
+def reconcile(url: str, answered: list[tuple[int, str, Decimal]], timeout: float = 60) -> None:
+    wanted = {rid: cost for status, rid, cost in answered if status == 200}
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = ledger(url)
+        if all(rid in rows for rid in wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    missing = [rid for rid in wanted if rid not in rows]
+    assert missing == [], f"{len(missing)} answered requests missing from the ledger"
+    assert all(len(rows[rid]) == 1 for rid in wanted), "a request was recorded twice"
+    ledger_total = sum(Decimal(rows[rid][0]["cost_total"]) for rid in wanted)
+    assert ledger_total == sum(wanted.values())
+
+
+def test_gateway_sigkill_loses_no_acknowledged_record(stack, redis_url, tmp_path, gateway_process_factory):
+    config = chaos_config(stack, tmp_path, redis_url, "sqlite")
+    first = gateway_process_factory(config)
+    answered = [ask(first.url, i) for i in range(25)]
+    assert all(status == 200 for status, _, _ in answered)
+    # Killed right after the last answer: no chance to flush the ledger or close anything.
+    os.kill(first.process.pid, signal.SIGKILL)
+    first.process.wait(10)
+    second = gateway_process_factory(config)  # same data_dir: replays the journal at start
+    reconcile(second.url, answered)
+    print(f"\n[chaos] gateway SIGKILL after {len(answered)} answers: all {len(answered)} in the ledger once")
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis of our own that the test can stop and start (append-only file: data survives)."""
+    server = shutil.which("redis-server")
+    if not server:
+        pytest.skip("redis-server not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    cmd = [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+           "--dir", str(workdir)]
+
+    class Redis:
+        url = f"redis://127.0.0.1:{port}/0"
+        proc: subprocess.Popen | None = None
+
+        def start(self) -> None:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG":
+                assert time.monotonic() < deadline, "private redis did not start"
+                time.sleep(0.1)
+
+        def stop(self) -> None:
+            subprocess.run(["redis-cli", "-p", str(port), "shutdown"], capture_output=True)
+            if self.proc is not None:
+                self.proc.wait(10)
+
+    r = Redis()
+    r.start()
+    yield r
+    if r.proc is not None and r.proc.poll() is None:
+        r.proc.kill()
+
+
+def test_redis_outage_under_load_keeps_serving_and_reconciles(stack, tmp_path, private_redis,
+                                                               gateway_process_factory):
+    config = chaos_config(stack, tmp_path, private_redis.url, "redis")
+    gw = gateway_process_factory(config)
+    answered: list[tuple[int, str, Decimal]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            answered.append(ask(gw.url, i))
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        time.sleep(3)
+        before = len(answered)
+        private_redis.stop()
+        time.sleep(30)  # Redis is gone for 30 s while requests keep coming
+        during = len(answered) - before
+        private_redis.start()
+        time.sleep(5)
+    finally:
+        stop.set()
+        worker.join(60)
+    failed = [a for a in answered if a[0] != 200]
+    print(f"\n[chaos] Redis down 30 s: {len(answered)} requests ({during} during the outage), "
+          f"{len(failed)} failed")
+    # Documented policy: anonymous traffic needs no Redis; keyed traffic fails open by default.
+    assert failed == [] and during > 0
+    reconcile(gw.url, answered, timeout=90)
