@@ -50,7 +50,8 @@ class ChaosEngine:
 
     def __init__(self, model_dir: Path, log_dir: Path):
         self.replica = ReplicaConfig(name="chaos-0", tier="standard",
-                                     launch=LaunchSpec(port=CHAOS_PORT, args=ENGINE_ARGS, startup_timeout_s=300))
+                                     launch=LaunchSpec(port=CHAOS_PORT, args=ENGINE_ARGS, kv_events=True,
+                                                       startup_timeout_s=300))
         self.fleet = FleetConfig(model="demo", replicas=[self.replica])
         self.model_dir, self.log_dir = str(model_dir), log_dir
         self.launcher: Launcher | None = None
@@ -225,9 +226,20 @@ def test_slow_client_does_not_make_the_gateway_buffer(stack, chaos_engine, gatew
 # -- an engine that dies under load --------------------------------------------------------------
 
 def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
-    gw = gateway_factory(gateway_config(stack, ("chaos-0", chaos_engine.url), ("std-1", stack.engines["standard"])))
+    config = gateway_config(stack, ("chaos-0", chaos_engine.url), ("std-1", stack.engines["standard"]))
+    config.fleet.replicas[0].kv_events_endpoint = chaos_engine.replica.kv_events
+    gw = gateway_factory(config)
     fleet = gw.gateway.fleet
     wait_until(lambda: all(r.healthy for r in fleet.replicas.values()), 20, "both replicas healthy")
+    subscriber = next(s for s in gw.gateway.routing.subscribers if s.replica == "chaos-0")
+    long_prompt = " ".join(f"word{i}" for i in range(200))  # several full KV blocks: BlockStored events
+
+    def fill_cache(tag: str) -> None:
+        httpx.post(chaos_engine.url + "/v1/completions", timeout=60,
+                   json={"model": "demo", "prompt": f"{tag} {long_prompt}", "max_tokens": 1}).raise_for_status()
+
+    fill_cache("before")
+    wait_until(lambda: subscriber.events > 0, 30, "KV events from the engine before the kill")
     stop = threading.Event()
     unary: list[tuple[int, str, str]] = []
     streams: list[tuple[int, str, bytes]] = []
@@ -310,6 +322,10 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     # Re-admission: the health check brings the replica back once it answers again.
     chaos_engine.start()
     wait_until(lambda: victim.healthy, 30, "the gateway to re-admit the restarted replica")
+    # The KV-event subscriber notices the new engine process (its event sequence starts over) and
+    # forgets the blocks the dead one held.
+    fill_cache("after")
+    wait_until(lambda: subscriber.restarts >= 1, 30, "the KV-event subscriber to notice the restart")
     assert httpx.get(gw.url + "/healthz", timeout=10).json()["replicas"]["chaos-0"]["healthy"] is True
     served_by = {httpx.post(url, timeout=60, json={
         "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": f"back {i}"}]}
