@@ -37,7 +37,10 @@ def engine_metric(url: str, name: str) -> float:
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except OSError:  # an engine busy streaming can be slow to answer /metrics: ask again
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
