@@ -29,7 +29,13 @@ ENGINE_ARGS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--
 
 
 def engine_metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    for attempt in range(3):  # an engine busy streaming can take a while to answer /metrics
+        try:
+            text = urllib.request.urlopen(url + "/metrics", timeout=20).read().decode()
+            break
+        except OSError:
+            if attempt == 2:
+                raise
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name in (name, name + "_total"))
 
