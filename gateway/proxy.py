@@ -144,12 +144,15 @@ class Proxy:
                 self.accounting.finish(ctx, None, "error")
             raise
 
-    async def _open(self, ctx: RequestContext, typed: Any, payload: bytes) -> tuple[Replica, aiohttp.ClientResponse]:
-        """Send to the routed replica; if that fails before any answer, once more (elsewhere if possible)."""
+    async def _open(self, ctx: RequestContext, typed: Any, payload: bytes,
+                    failed: set[str] | None = None) -> tuple[Replica, aiohttp.ClientResponse]:
+        """Send to the routed replica; if that fails before any answer, try again elsewhere if
+        possible. Three tries: a replica that just died often costs one, and a keep-alive
+        connection that the other replica closed at the same moment can cost another."""
         assert self.session is not None
-        failed: set[str] = set()
+        failed = set() if failed is None else failed
         last_exc: BaseException | None = None
-        for attempt in range(2):
+        for attempt in range(3):
             routable = self.fleet.candidates(ctx.tier)
             candidates = [r for r in routable if r.name not in failed] or routable
             if not candidates:
@@ -182,12 +185,14 @@ class Proxy:
         raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
 
     async def _unary(self, ctx: RequestContext, typed: Any, payload: bytes) -> Response:
+        failed: set[str] = set()  # replicas that failed this request, avoided by the next try
         for attempt in range(2):
-            replica, resp = await self._open(ctx, typed, payload)
+            replica, resp = await self._open(ctx, typed, payload, failed)
             try:
                 data = await resp.read()
                 break
             except _RETRYABLE:
+                failed.add(replica.name)
                 if attempt == 1:
                     raise UpstreamError("Upstream replica failed while answering.") from None
             finally:
