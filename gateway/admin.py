@@ -162,12 +162,16 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
 
     # -- reports ---------------------------------------------------------------------------------
 
-    @router.get("/spend")
-    async def spend(group_by: str = "key_id,team", since: str | None = None,
-                    until: str | None = None) -> Response:
+    async def usage(group_by: str, since: str | None, until: str | None) -> tuple[list[str], list]:
         groups = parse_group_by(group_by, "key_id,team")
         ledger = await acc.flushed_ledger()
         rows = await ledger.usage(groups, since=parse_time(since, "since"), until=parse_time(until, "until"))
+        return groups, rows
+
+    @router.get("/spend")
+    async def spend(group_by: str = "key_id,team", since: str | None = None,
+                    until: str | None = None) -> Response:
+        groups, rows = await usage(group_by, since, until)
         return json_response({"group_by": groups, "rows": rows,
                               "total_usd": sum((r.cost_total for r in rows), Decimal(0)),
                               "requests": sum(r.requests for r in rows)})
@@ -175,9 +179,7 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
     @router.get("/spend.csv")
     async def spend_csv(group_by: str = "key_id,team", since: str | None = None,
                         until: str | None = None) -> Response:
-        groups = parse_group_by(group_by, "key_id,team")
-        ledger = await acc.flushed_ledger()
-        rows = await ledger.usage(groups, since=parse_time(since, "since"), until=parse_time(until, "until"))
+        groups, rows = await usage(group_by, since, until)
         return Response(usage_csv(rows, groups), media_type="text/csv")
 
     @router.get("/ledger.csv")
