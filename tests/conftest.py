@@ -70,7 +70,8 @@ demo_base_port = {ENGINE_BASE_PORT}
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    return "redis://127.0.0.1:6379/15"
+    # YIELDGATE_TEST_REDIS_DB keeps two suites on one machine from sharing keys.
+    return f"redis://127.0.0.1:6379/{os.environ.get('YIELDGATE_TEST_REDIS_DB', '15')}"
 
 
 @pytest.fixture(scope="session")
