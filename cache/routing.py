@@ -16,7 +16,13 @@ Policies (``Router(policy_name, ...)``), each a pipeline of cache.scorers parts:
   request queued ahead costs about ``queued_request_blocks`` blocks of work.
   Hot-spot guard first: replicas with ``load > spill_factor * mean_load +
   spill_slack`` are filtered out, so a hot prefix spills to other replicas
-  (which then cache it too) instead of piling onto one.
+  (which then cache it too) instead of piling onto one. Share guard second: a replica
+  that took more than ``max(share_factor * mean, mean + share_slack)`` of the router's
+  recent picks (decayed counts) is dropped unless it saves at least ``share_keep_blocks``
+  blocks over the best replica within its share. In-flight load is ~0 on a quiet fleet,
+  so without this a prefix every session shares (one agent system prompt) pulls all new
+  sessions to the first replica that cached it; long cached contexts still stay home.
+  Ties (e.g. a new prefix on an idle fleet) go to the least recently picked replica.
 
 Only ``cache_aware`` needs token ids (``policy.needs_tokens``): the gateway
 tokenizes only when it is True.
@@ -32,7 +38,7 @@ import msgspec
 from cache.blocks import BlockHash, BlockHasher, BlockHashConfig
 from cache.scorers import (
     Candidate, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
-    RoundRobinPicker, RouteContext, RouteRequest, Scorer, SessionAffinityScorer, load_of,
+    RecentPicks, RoundRobinPicker, RouteContext, RouteRequest, Scorer, SessionAffinityScorer, ShareFilter, load_of,
 )
 
 POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
@@ -52,6 +58,9 @@ class RouterConfig(msgspec.Struct, frozen=True):
     queued_request_blocks: float = 4.0
     spill_factor: float = 1.5
     spill_slack: float = 2.0
+    share_factor: float = 1.15
+    share_keep_blocks: int = 16
+    share_slack: float = 4.0
 
 
 class RouteDecision(msgspec.Struct):
@@ -98,7 +107,7 @@ def build_policy(name: str, config: RouterConfig = RouterConfig()) -> Policy:
     if name == "cache_aware":
         return Policy(
             name,
-            [HotspotFilter(config.spill_factor, config.spill_slack)],
+            [HotspotFilter(config.spill_factor, config.spill_slack), ShareFilter(config.share_factor, config.share_keep_blocks, config.share_slack)],
             [(KVCostScorer(config.overlap_weight, config.queued_request_blocks), 1.0)],
             MaxScorePicker(),
             needs_tokens=True,
@@ -122,6 +131,7 @@ class Router:
         self.hasher = hasher or BlockHasher(BlockHashConfig(block_size=block_size))
         self.block_size = self.hasher.block_size
         self._known_capacity: dict[str, int] = {}
+        self.recent = RecentPicks()
 
     @property
     def needs_tokens(self) -> bool:
@@ -142,8 +152,10 @@ class Router:
                 if hashes:
                     matches = self.index.match(hashes)
         ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
-                           matches=matches, loads={c.name: load_of(c) for c in candidates})
+                           matches=matches, loads={c.name: load_of(c) for c in candidates},
+                           recent=self.recent.snapshot([c.name for c in candidates]))
         chosen, scores = self.policy.choose(ctx, candidates)
+        self.recent.add(chosen.name, len(candidates))
         return RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
                              block_hashes=hashes, policy=self.policy.name, scores=scores)
 

@@ -48,6 +48,29 @@ class RouteContext(msgspec.Struct):
     block_size: int
     matches: dict[str, int]  # replica -> cached leading blocks (from the prefix index)
     loads: dict[str, float]
+    recent: dict[str, float] = {}  # replica -> decayed count of this router's recent picks
+
+
+class RecentPicks:
+    """Exponentially decayed count of picks per replica, half-life ``half_life_per_replica``
+    picks per replica. In-flight load is ~0 everywhere on a quiet fleet, so it cannot tell
+    where a *new* prefix should go; this long-memory signal can, and placing new prefixes on
+    the least-picked replica keeps request shares even (instead of balls-into-bins)."""
+
+    def __init__(self, half_life_per_replica: float = 32.0) -> None:
+        self.half_life_per_replica = half_life_per_replica
+        self._counts: dict[str, float] = {}
+        self._weight = 1.0  # grows instead of decaying every count: one multiply per pick
+
+    def add(self, name: str, replicas: int) -> None:
+        self._counts[name] = self._counts.get(name, 0.0) + self._weight
+        self._weight *= 2.0 ** (1.0 / (self.half_life_per_replica * max(1, replicas)))
+        if self._weight > 1e100:
+            self._counts = {k: v / self._weight for k, v in self._counts.items()}
+            self._weight = 1.0
+
+    def snapshot(self, names: Sequence[str]) -> dict[str, float]:
+        return {n: self._counts.get(n, 0.0) / self._weight for n in names}
 
 
 def rendezvous(key: str | bytes, name: str) -> int:
@@ -81,9 +104,35 @@ class HotspotFilter:
         if len(candidates) < 2:
             return list(candidates)
         mean = sum(ctx.loads[c.name] for c in candidates) / len(candidates)
-        limit = self.factor * mean + self.slack
+        limit = max(self.factor * mean, mean + self.slack)
         kept = [c for c in candidates if ctx.loads[c.name] <= limit]
         return kept or list(candidates)
+
+
+class ShareFilter:
+    """Drops replicas that took more than ``factor`` times their fair share of this router's
+    recent picks (`RecentPicks`), unless the replica saves at least ``keep_blocks`` blocks of
+    prefill over the best replica within its share. The load guard above sees only requests
+    in flight, ~0 on a quiet fleet; this one bounds each replica's share over time. A prefix
+    everyone shares (one agent system prompt) then gets cached on several replicas instead of
+    pulling every new session to the first one, while long contexts (an agent session's
+    history, a tenant's long prefix) stay where they are cached."""
+
+    def __init__(self, factor: float = 1.15, keep_blocks: int = 16, slack: float = 4.0) -> None:
+        self.factor = factor
+        self.keep_blocks = keep_blocks
+        self.slack = slack  # picks: a young or small fleet is not "over its share" after one pick
+
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
+        if self.factor <= 0 or len(candidates) < 2 or not ctx.recent:
+            return list(candidates)
+        mean = sum(ctx.recent.get(c.name, 0.0) for c in candidates) / len(candidates)
+        limit = max(self.factor * mean, mean + self.slack)
+        within = [c for c in candidates if ctx.recent.get(c.name, 0.0) <= limit]
+        if not within or len(within) == len(candidates):
+            return list(candidates)
+        floor = max(ctx.matches.get(c.name, 0) for c in within) + self.keep_blocks
+        return [c for c in candidates if c in within or ctx.matches.get(c.name, 0) >= floor]
 
 
 # -- scorers ------------------------------------------------------------------
@@ -142,9 +191,9 @@ class SessionAffinityScorer:
 
 # -- pickers ------------------------------------------------------------------
 class MaxScorePicker:
-    """Highest score; ties go to the lowest load, then to a rendezvous hash of
-    the prefix's first block (or session), so every gateway breaks ties alike and
-    different prefixes spread over the tied replicas."""
+    """Highest score; ties go to the lowest load, then to the replica this router picked
+    least lately (`RecentPicks`), then to a rendezvous hash of the prefix's first block (or
+    session), so different prefixes spread over the tied replicas."""
 
     def __init__(self) -> None:
         self._rotation = itertools.count()
@@ -158,6 +207,11 @@ class MaxScorePicker:
         tied = [c for c in tied if ctx.loads[c.name] <= low]
         if len(tied) == 1:
             return tied[0]
+        if ctx.recent:
+            least = min(ctx.recent.get(c.name, 0.0) for c in tied)
+            tied = [c for c in tied if ctx.recent.get(c.name, 0.0) <= least + 1e-9]
+            if len(tied) == 1:
+                return tied[0]
         key: str | bytes | None = ctx.request.session_id
         if key is None and ctx.block_hashes:
             h = ctx.block_hashes[0]

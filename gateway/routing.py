@@ -50,7 +50,9 @@ class Routing:
     def _router(self, tier: TierConfig) -> Router:
         config = RouterConfig(policy=tier.policy, overlap_weight=tier.overlap_weight,
                               queued_request_blocks=tier.queued_request_blocks,
-                              spill_factor=tier.spill_factor, spill_slack=tier.spill_slack)
+                              spill_factor=tier.spill_factor, spill_slack=tier.spill_slack,
+                              share_factor=tier.share_factor, share_slack=tier.share_slack,
+                              share_keep_blocks=tier.share_keep_blocks)
         return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:

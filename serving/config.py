@@ -65,6 +65,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     queued_request_blocks: float = 4.0
     spill_factor: float = 1.5
     spill_slack: float = 2.0
+    # ...and replicas past max(share_factor * mean, mean + share_slack) of recent picks, unless
+    # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home).
+    share_factor: float = 1.15
+    share_slack: float = 4.0
+    share_keep_blocks: int = 16
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
