@@ -67,6 +67,48 @@ def test_hot_prefix_spreads_instead_of_piling_up() -> None:
     assert loads[-1] <= 1.5 * (60 / 3) + 2 + 1
 
 
+def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], sessions: int) -> dict[str, int]:
+    """Agent sessions on an idle fleet (nothing in flight): every session starts with the same
+    8-block system prompt, then 3 turns whose context (24+ blocks) is the session's own."""
+    counts = {r.name: 0 for r in fleet}
+    system = tokens(1, 8)[: 8 * 32]
+    for s in range(sessions):
+        context = system + tokens(100 + s, 4)[: 4 * 32]
+        for turn in range(3):
+            context = context + tokens(1000 + s * 10 + turn, 8)[: 8 * 32]
+            d = router.pick(RouteRequest(token_ids=context + [7] * 5), fleet)
+            router.observe(d)
+            counts[d.replica.name] += 1
+    return counts
+
+
+def test_shared_system_prompt_spreads_sessions_on_a_quiet_fleet() -> None:
+    from cache.routing import RouterConfig
+
+    fleet = [Replica(n) for n in "abcd"]
+    guarded = _shared_system_prompt_sessions(Router("cache_aware", PrefixIndex()), fleet, 40)
+    unguarded = _shared_system_prompt_sessions(
+        Router("cache_aware", PrefixIndex(), config=RouterConfig(share_factor=0)), fleet, 40)
+    # Without the share guard the 8 shared blocks pull every new session to one replica.
+    assert max(unguarded.values()) == 120
+    assert max(guarded.values()) <= 1.25 * 120 / 4, guarded
+
+
+def test_share_guard_keeps_long_cached_contexts_home() -> None:
+    router = Router("cache_aware", PrefixIndex())
+    fleet = [Replica("a"), Replica("b")]
+    long_context = tokens(5, 40)
+    home = router.pick(RouteRequest(token_ids=long_context), fleet)
+    router.observe(home)
+    for i in range(30):  # the home replica is far past its share of picks...
+        router.recent.add(home.replica.name, 2)
+    # ...but 40 cached blocks (>= share_keep_blocks more than elsewhere) keep the turn there.
+    d = router.pick(RouteRequest(token_ids=long_context + [9] * 40), fleet)
+    assert d.replica.name == home.replica.name and d.predicted_cached_tokens == 40 * 32
+    # A short prefix does not: the next new request goes to the other replica.
+    assert router.pick(RouteRequest(token_ids=tokens(6, 2)), fleet).replica.name != home.replica.name
+
+
 def test_session_policy_is_sticky_and_needs_no_tokens() -> None:
     router = Router("session")
     assert not router.needs_tokens
