@@ -69,6 +69,8 @@ class Outcome(msgspec.Struct, kw_only=True):
     error_detail: str | None = None
     text: str = ""
     usage: _Usage | None = None
+    replica: str | None = None
+    weight_version: str | None = None
 
     @property
     def cost(self) -> float | None:
@@ -138,6 +140,8 @@ class OpenAIClient:
         try:
             async with self._session.post(self._url, data=body) as resp:
                 out.status = resp.status
+                out.replica = resp.headers.get("x-yieldgate-replica")
+                out.weight_version = resp.headers.get("x-yieldgate-weight-version")
                 if resp.status != 200:
                     raw = await resp.read()
                     out.error = f"http_{resp.status}"

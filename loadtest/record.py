@@ -32,6 +32,8 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_chars: int = 0
     cost: float | None = None
     cost_source: str | None = None  # "response" (usage.cost.total) or "price_table"
+    replica: str | None = None  # x-yieldgate-replica (a yieldgate target says who served it)
+    weight_version: str | None = None  # x-yieldgate-weight-version
 
     @property
     def send_lag_ms(self) -> float:

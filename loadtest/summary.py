@@ -50,6 +50,30 @@ class Summary(msgspec.Struct, kw_only=True):
     offered_rate: float | None = None
     sent_rate: float | None = None  # open loop: realized arrival rate (Poisson gaps vary around the offered)
     concurrency: int | None = None
+    # Through a yieldgate gateway (x-yieldgate-replica): who served what, and how fast.
+    per_replica: dict[str, "ReplicaShare"] | None = None
+
+
+class ReplicaShare(msgspec.Struct, kw_only=True):
+    requests: int
+    cached_ratio: float | None
+    ttft_ms: stats.Distribution
+
+
+def _per_replica(ok: Sequence[RequestRecord]) -> dict[str, ReplicaShare] | None:
+    by: dict[str, list[RequestRecord]] = {}
+    for r in ok:
+        if r.replica:
+            by.setdefault(r.replica, []).append(r)
+    if not by:
+        return None
+    out = {}
+    for name, rs in sorted(by.items()):
+        base = sum(r.prompt_tokens for r in rs if r.cached_tokens is not None)
+        cached = sum(r.cached_tokens or 0 for r in rs)
+        out[name] = ReplicaShare(requests=len(rs), cached_ratio=stats.ratio(cached, base) if base else None,
+                                 ttft_ms=stats.distribution(r.ttft_ms for r in rs if r.ttft_ms is not None))
+    return out
 
 
 def _nan_to_none(x: float | None) -> float | None:
@@ -124,4 +148,5 @@ def summarize(
         offered_rate=offered_rate,
         sent_rate=sent_rate,
         concurrency=concurrency,
+        per_replica=_per_replica(ok),
     )

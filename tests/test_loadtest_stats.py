@@ -105,6 +105,19 @@ def test_summarize_excludes_warmup_and_computes_economics():
     assert s.cost_per_1m_tokens == pytest.approx(0.004 / 440 * 1e6)
     assert s.ttft_ms.p(50) == 250.0
     assert s.client_cpu_us_per_request == pytest.approx(1000.0)
+    assert s.per_replica is None  # no x-yieldgate-replica header: not a gateway target
+
+
+def test_summarize_splits_by_serving_replica():
+    recs = [_rec(i, 100 * i, 100 * i + 90, cached=50) for i in range(1, 7)]
+    for r in recs:
+        r.replica = "a" if r.id % 3 else "b"
+    recs[0].cached_tokens = 0  # id 1 -> replica a
+    s = summarize("t", recs)
+    assert {k: v.requests for k, v in s.per_replica.items()} == {"a": 4, "b": 2}
+    assert s.per_replica["b"].cached_ratio == 0.5
+    assert s.per_replica["a"].cached_ratio == pytest.approx(150 / 400)
+    assert s.per_replica["b"].ttft_ms.count == 2
 
 
 # -- SSE ----------------------------------------------------------------------------------------
