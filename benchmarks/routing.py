@@ -4,7 +4,7 @@
     python benchmarks/routing.py --no-real       # simulator only
     python benchmarks/routing.py --quick         # fewer requests (smoke run)
 
-(a) real: for each load and policy, a fresh in-process gateway whose `standard` tier has BOTH demo
+(a) real: for each load and policy, a fresh gateway process whose `standard` tier has BOTH demo
 engines as replicas (8101 with KV events on tcp://127.0.0.1:5557; 8102 without, so the index learns
 it approximately), driven by the project's load tester (`loadtest.run_load`) with a fresh cache salt
 per run. The same workload, salt and closed-loop concurrency go through the simulator with two
@@ -48,7 +48,7 @@ DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_se
 
 # -- real fleet -----------------------------------------------------------------------------------
 
-from gateway.embedded import EmbeddedGateway as ThreadGateway  # noqa: E402
+from gateway.embedded import GatewayProcess  # noqa: E402
 
 
 # The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
@@ -73,35 +73,17 @@ def clear_bench_index(redis_url: str = REDIS_URL) -> None:
 
 
 def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: str,
-                       redis_url: str = REDIS_URL, tag: str = "") -> Any:
+                       redis_url: str = REDIS_URL, tag: str = "", data_dir: str = "") -> Any:
     """One `standard` tier with every engine as a replica."""
     from gateway.config import Config, ServerConfig
     from serving.config import FleetConfig, ReplicaConfig, TierConfig
 
     replicas = [ReplicaConfig(name=f"{REPLICA_PREFIX}{tag}{i}", tier="standard", url=url, kv_events_endpoint=kv)
                 for i, (url, kv) in enumerate(engines)]
-    return Config(server=ServerConfig(redis_url=redis_url),
+    return Config(server=ServerConfig(redis_url=redis_url, data_dir=data_dir),
                   fleet=FleetConfig(model="demo", model_path=model_path, block_size=32, replicas=replicas,
                                     tiers={"standard": TierConfig(policy=policy)}, health_interval_s=1.0,
                                     scrape_interval_s=1.0))
-
-
-def count_dispatches(gw: ThreadGateway) -> tuple[dict[str, int], list[int]]:
-    """Per-replica dispatch counts and predicted cached tokens, read off the gateway's routing
-    adapter (the gateway exports no per-replica request counter yet)."""
-    routing = gw.app.state.gateway.routing
-    counts: dict[str, int] = {}
-    predicted: list[int] = []
-    pick = routing.pick
-
-    def counting_pick(ctx: Any, request: Any, candidates: Any) -> Any:
-        decision = pick(ctx, request, candidates)
-        counts[decision.replica.name] = counts.get(decision.replica.name, 0) + 1
-        predicted.append(decision.predicted_cached_tokens)
-        return decision
-
-    routing.pick = counting_pick
-    return counts, predicted
 
 
 def real_workloads(seed: int) -> list[Any]:
@@ -114,7 +96,7 @@ def real_workloads(seed: int) -> list[Any]:
     ]
 
 
-async def _interleaved(gateways: dict[str, ThreadGateway], conc: int, sizes: list[int], rounds: int,
+async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: list[int], rounds: int,
                        seed: int) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
@@ -154,16 +136,20 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
              rounds: int = 4) -> list[dict]:
     import asyncio
 
+    import tempfile
+
     rows: list[dict] = []
+    workdir = Path(tempfile.mkdtemp(prefix="yg-routing-bench-"))
     for conc in loads:
         clear_bench_index()
-        gateways: dict[str, ThreadGateway] = {}
-        counters: dict[str, tuple[dict[str, int], list[int]]] = {}
+        gateways: dict[str, GatewayProcess] = {}
         try:
             for i, policy in enumerate(policies):
-                # Distinct replica names per gateway: they share one Redis DB for the prefix index.
-                gateways[policy] = gw = ThreadGateway(two_replica_config(policy, engines, model_path, tag=str(i)))
-                counters[policy] = count_dispatches(gw)
+                # Each gateway in its own process: the load tester must not share a GIL with the
+                # gateways' tokenization. Distinct replica names: they share one Redis DB.
+                config = two_replica_config(policy, engines, model_path, tag=str(i),
+                                            data_dir=str(workdir / f"c{conc}-{policy}"))
+                gateways[policy] = GatewayProcess(config, workdir)
             time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
             state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed))
         finally:
@@ -172,8 +158,11 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             clear_bench_index()
         for policy in policies:
             st = state[policy]
-            counts, predicted = counters[policy]
             records = st["records"]
+            counts: dict[str, int] = {}
+            for r in records:
+                counts[r.replica or "?"] = counts.get(r.replica or "?", 0) + 1
+            predicted = [r.predicted_cached_tokens or 0 for r in records]
             sim_parts: list[PolicyResult] = []
             for part in st["parts"]:
                 phases = [part["n"] // rounds + (1 if k < part["n"] % rounds else 0) for k in range(rounds)]
@@ -326,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--standard-kv", default="tcp://127.0.0.1:5557")
     ap.add_argument("--fast", default="http://127.0.0.1:8102")
     ap.add_argument("--fast-kv", default="")
-    ap.add_argument("--loads", default="2,6", help="real closed-loop concurrencies")
+    ap.add_argument("--loads", default="1,2,4,6", help="real closed-loop concurrencies")
     ap.add_argument("--rates", default="50,100,200,300,400", help="simulated sessions/s")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
@@ -345,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     sim = previous.get("sim", [])
     if args.real:
         loads = [int(x) for x in args.loads.split(",")]
-        real = run_real(policies, loads, 12 if args.quick else 40, 8 if args.quick else 20,
+        real = run_real(policies, loads, 12 if args.quick else 60, 8 if args.quick else 30,
                         [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed)
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]

@@ -1,14 +1,22 @@
-"""A gateway served by uvicorn in a background thread of the calling process.
+"""A gateway served by uvicorn in a background thread of the calling process, or in a child
+process of its own.
 
-For benchmarks, notebooks and tests that need a real gateway with their own `Config` next to code
-that inspects it (`EmbeddedGateway.gateway` is the running `Gateway`).
+`EmbeddedGateway`: for benchmarks, notebooks and tests that need a real gateway with their own
+`Config` next to code that inspects it (`EmbeddedGateway.gateway` is the running `Gateway`).
+`GatewayProcess`: the same config in its own OS process (`yieldgate gateway` semantics), for
+multi-gateway tests and for benchmarks whose load generator must not share a GIL with it.
 """
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import uvicorn
 
@@ -42,3 +50,49 @@ class EmbeddedGateway:
     def stop(self, timeout_s: float = 15.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)
+
+
+class GatewayProcess:
+    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0):
+        import msgspec
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config.server.port = self.port
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_path = workdir / f"gateway-{self.port}.json"
+        config_path.write_bytes(msgspec.json.encode(config))
+        self.log_path = workdir / f"gateway-{self.port}.log"
+        code = ("import sys, msgspec; from gateway.config import Config; from gateway.cli import _serve; "
+                "_serve(msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=Config))")
+        root = Path(__file__).resolve().parent.parent
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "-c", code, str(config_path)], cwd=root,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + start_timeout_s
+        while _status(self.url + "/healthz") != 200:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"gateway process did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def _status(url: str, timeout: float = 2.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

@@ -71,6 +71,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     usage: _Usage | None = None
     replica: str | None = None
     weight_version: str | None = None
+    predicted_cached_tokens: int | None = None
 
     @property
     def cost(self) -> float | None:
@@ -142,6 +143,8 @@ class OpenAIClient:
                 out.status = resp.status
                 out.replica = resp.headers.get("x-yieldgate-replica")
                 out.weight_version = resp.headers.get("x-yieldgate-weight-version")
+                predicted = resp.headers.get("x-yieldgate-predicted-cached-tokens")
+                out.predicted_cached_tokens = int(predicted) if predicted and predicted.isdigit() else None
                 if resp.status != 200:
                     raw = await resp.read()
                     out.error = f"http_{resp.status}"

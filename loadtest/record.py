@@ -34,6 +34,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     cost_source: str | None = None  # "response" (usage.cost.total) or "price_table"
     replica: str | None = None  # x-yieldgate-replica (a yieldgate target says who served it)
     weight_version: str | None = None  # x-yieldgate-weight-version
+    predicted_cached_tokens: int | None = None  # x-yieldgate-predicted-cached-tokens
 
     @property
     def send_lag_ms(self) -> float:

@@ -290,6 +290,7 @@ class Runner:
             warmup=slot[1], scheduled_s=scheduled - t0, start_s=out.start - t0, end_s=out.end - t0,
             status=out.status, error=out.error, error_detail=out.error_detail, input_tokens_est=est,
             output_chars=len(out.text), replica=out.replica, weight_version=out.weight_version,
+            predicted_cached_tokens=out.predicted_cached_tokens,
         )
         if out.error is not None:
             return rec

@@ -152,7 +152,7 @@ def async_client(stack):
 
 
 # A second gateway (uvicorn in a thread) with its own config, for fault and multi-gateway tests.
-from gateway.embedded import EmbeddedGateway as InProcessGateway  # noqa: E402
+from gateway.embedded import EmbeddedGateway as InProcessGateway, GatewayProcess  # noqa: E402
 
 
 @pytest.fixture
@@ -167,43 +167,6 @@ def gateway_factory():
     yield make
     for gw in started:
         gw.stop()
-
-
-class GatewayProcess:
-    """A gateway in its own OS process (`yieldgate gateway` semantics), for multi-gateway tests."""
-
-    def __init__(self, config, workdir: Path):
-        import socket
-
-        import msgspec
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        config.server.port = self.port
-        workdir.mkdir(parents=True, exist_ok=True)
-        config_path = workdir / f"gateway-{self.port}.json"
-        config_path.write_bytes(msgspec.json.encode(config))
-        self.log_path = workdir / f"gateway-{self.port}.log"
-        code = ("import sys, msgspec; from gateway.config import Config; from gateway.cli import _serve; "
-                "_serve(msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=Config))")
-        self.process = subprocess.Popen([sys.executable, "-c", code, str(config_path)], cwd=ROOT,
-                                        stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while _get(self.url + "/healthz") != 200:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"gateway process did not start:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 @pytest.fixture
