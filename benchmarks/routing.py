@@ -30,6 +30,7 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cache.routing import RouterConfig  # noqa: E402
 from cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
                              default_tokenizer, run_simulation)
 from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad,  # noqa: E402
@@ -72,17 +73,26 @@ def clear_bench_index(redis_url: str = REDIS_URL) -> None:
         r.close()
 
 
+def parse_policy(label: str) -> tuple[str, dict[str, float]]:
+    """"cache_aware+queued_request_blocks=8" -> ("cache_aware", {"queued_request_blocks": 8.0}):
+    a policy with tier tuning overrides, so tunings run side by side like policies."""
+    name, *pairs = label.split("+")
+    return name, {k: float(v) for k, v in (p.split("=", 1) for p in pairs)}
+
+
 def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: str,
                        redis_url: str = REDIS_URL, tag: str = "", data_dir: str = "") -> Any:
     """One `standard` tier with every engine as a replica."""
     from gateway.config import Config, ServerConfig
     from serving.config import FleetConfig, ReplicaConfig, TierConfig
 
+    name, overrides = parse_policy(policy)
+    tier = msgspec.convert({"policy": name, **overrides}, TierConfig, strict=False)
     replicas = [ReplicaConfig(name=f"{REPLICA_PREFIX}{tag}{i}", tier="standard", url=url, kv_events_endpoint=kv)
                 for i, (url, kv) in enumerate(engines)]
     return Config(server=ServerConfig(redis_url=redis_url, data_dir=data_dir),
                   fleet=FleetConfig(model="demo", model_path=model_path, block_size=32, replicas=replicas,
-                                    tiers={"standard": TierConfig(policy=policy)}, health_interval_s=1.0,
+                                    tiers={"standard": tier}, health_interval_s=1.0,
                                     scrape_interval_s=1.0))
 
 
@@ -133,7 +143,7 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
 
 def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int,
              engines: list[tuple[str, str]], model_path: str, tokenizer: Any, seed: int,
-             rounds: int = 4) -> list[dict]:
+             rounds: int = 4, records_path: str = "") -> list[dict]:
     import asyncio
 
     import tempfile
@@ -163,10 +173,17 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             for r in records:
                 counts[r.replica or "?"] = counts.get(r.replica or "?", 0) + 1
             predicted = [r.predicted_cached_tokens or 0 for r in records]
+            if records_path:
+                with open(records_path, "ab") as f:
+                    for r in records:
+                        f.write(msgspec.json.encode({"policy": policy, "concurrency": conc, **msgspec.to_builtins(r)})
+                                + b"\n")
             sim_parts: list[PolicyResult] = []
             for part in st["parts"]:
                 phases = [part["n"] // rounds + (1 if k < part["n"] % rounds else 0) for k in range(rounds)]
-                sim_cfg = SimConfig(policy=policy, replicas=2, arrival="concurrency", concurrency=conc,
+                name, overrides = parse_policy(policy)
+                router = msgspec.convert({"policy": name, **overrides}, RouterConfig, strict=False)
+                sim_cfg = SimConfig(policy=name, router=router, replicas=2, arrival="concurrency", concurrency=conc,
                                     requests=part["n"], phases=[n for n in phases if n > 0], seed=seed,
                                     cache_salt=part["salt"], scrape_interval_s=1.0,
                                     engines=[DEMO_ENGINE, msgspec.structs.replace(DEMO_ENGINE, kv_events=False)])
@@ -222,7 +239,9 @@ def run_sim(policies: list[str], rates: list[float], requests: int, replicas: in
     rows = []
     for rate in rates:
         for policy in policies:
-            cfg = SimConfig(policy=policy, replicas=replicas, requests=requests, rate=rate, seed=seed,
+            name, overrides = parse_policy(policy)
+            router = msgspec.convert({"policy": name, **overrides}, RouterConfig, strict=False)
+            cfg = SimConfig(policy=name, router=router, replicas=replicas, requests=requests, rate=rate, seed=seed,
                             session_ids=True, engine=EngineModel(kv_capacity_blocks=kv_blocks))
             t = time.perf_counter()
             r = run_simulation(large_mix(seed, tenants), cfg, prompts=prompts)
@@ -317,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fast-kv", default="")
     ap.add_argument("--loads", default="1,2,4,6", help="real closed-loop concurrencies")
     ap.add_argument("--rates", default="50,100,200,300,400", help="simulated sessions/s")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated; a policy may carry tier tuning: cache_aware+queued_request_blocks=8")
+    ap.add_argument("--records", default="", help="also write every real request record to this JSONL file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "routing"))
     args = ap.parse_args(argv)
@@ -335,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.real:
         loads = [int(x) for x in args.loads.split(",")]
         real = run_real(policies, loads, 12 if args.quick else 60, 8 if args.quick else 30,
-                        [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed)
+                        [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed,
+                        records_path=args.records)
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
