@@ -30,6 +30,25 @@ from loadtest import (
 )
 
 RESULTS = Path(__file__).parent / "results"
+SPEC_TOKENS = 4  # num_speculative_tokens of the demo fast tier (serving/config.py)
+
+
+def needed_for_2x(row: dict, k: int) -> dict:
+    """What acceptance the fast tier would need for 2x, from this run's own step costs: a fast-tier
+    step (verify k drafts) costs tpot_fast * tokens_per_step; a standard step emits one token."""
+    tpot_std = row["standard"]["tpot_ms_p50"]
+    tpot_fast = row["fast"]["tpot_ms_p50"]
+    per_step = row["fast"].get("spec_mean_accepted_length") or 1.0
+    if not tpot_std or not tpot_fast:
+        return {}
+    step_fast = tpot_fast * per_step
+    need = 2.0 * step_fast / tpot_std  # tokens per fast step for 2x the standard tier's decode speed
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # E[tokens/step] = (1 - a^(k+1)) / (1 - a), increasing in a
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(k + 1)) < need else (lo, mid)
+    return {"fast_step_ms": step_fast, "tokens_per_step_needed_for_2x": need,
+            "acceptance_needed_for_2x": lo if need <= k + 1 else None}
 
 
 def main() -> None:
@@ -38,19 +57,25 @@ def main() -> None:
     ap.add_argument("--fast", default="http://127.0.0.1:8102")
     ap.add_argument("--gateway", default=None)
     ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--concurrency", default="1,4", help="comma-separated closed-loop concurrencies")
     ap.add_argument("--words-per-token", type=float, default=0.44)  # demo tokenizer, measured via /tokenize
     a = ap.parse_args()
-    if a.gateway:
-        std = Target(base_url=a.gateway, model="demo", name="standard", ignore_eos=True)
-        fast = Target(base_url=a.gateway, model="demo:fast", name="fast", ignore_eos=True)
-    else:
-        std = Target(base_url=a.standard, model="demo", name="standard", ignore_eos=True)
-        fast = Target(base_url=a.fast, model="demo", name="fast", ignore_eos=True)
+    def targets(extra: dict) -> tuple[Target, Target]:
+        if a.gateway:
+            return (Target(base_url=a.gateway, model="demo", name="standard", ignore_eos=True, extra_body=extra),
+                    Target(base_url=a.gateway, model="demo:fast", name="fast", ignore_eos=True, extra_body=extra))
+        return (Target(base_url=a.standard, model="demo", name="standard", ignore_eos=True, extra_body=extra),
+                Target(base_url=a.fast, model="demo", name="fast", ignore_eos=True, extra_body=extra))
+
+    code = CodeEditWorkload(functions=4, lines_per_function=5, words_per_token=a.words_per_token)
+    # (workload, sampling): default sampling (temperature 1) and greedy, as code edits are usually run.
     workloads = {
-        "code_edit": CodeEditWorkload(functions=4, lines_per_function=5, words_per_token=a.words_per_token),
-        "chat": RandomLengthWorkload(input_tokens=256, output_tokens=128, words_per_token=a.words_per_token),
+        "code_edit": (code, {}),
+        "code_edit_greedy": (code, {"temperature": 0.0}),
+        "chat": (RandomLengthWorkload(input_tokens=256, output_tokens=128, words_per_token=a.words_per_token), {}),
     }
+    concurrencies = [int(c) for c in str(a.concurrency).split(",")]
+    std, fast = targets({})
     out: dict = {"setup": {"standard": std.base_url, "fast": fast.base_url, "requests": a.requests,
                            "concurrency": a.concurrency, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "note": "demo model has random weights: it does not really copy the code, so "
@@ -58,8 +83,11 @@ def main() -> None:
                                    "TPOT of an engine that streams tokens in bursts (chunks merged while its "
                                    "API process is busy) is tiny; compare tokens per e2e second too."},
                  "workloads": {}}
-    for name, wl in workloads.items():
-        results = run_compare([std, fast], wl, ConcurrencyLoad(concurrency=a.concurrency),
+    for conc, (name, (wl, extra)) in ((c, w) for c in concurrencies for w in workloads.items()):
+        if conc != concurrencies[0]:
+            name = f"{name}@c{conc}"
+        std, fast = targets(extra)
+        results = run_compare([std, fast], wl, ConcurrencyLoad(concurrency=conc),
                               Bounds(requests=a.requests, warmup_requests=1), order="interleaved",
                               rounds=2, cache_salt="auto",
                               engine_metrics_urls=[] if a.gateway else [a.fast])
@@ -87,6 +115,7 @@ def main() -> None:
         row["speedup_e2e_output_tps_p50"] = (row["fast"]["e2e_output_tps_per_request_p50"]
                                              / row["standard"]["e2e_output_tps_per_request_p50"])
         row["tpot_ratio_p50"] = row["fast"]["tpot_ms_p50"] / row["standard"]["tpot_ms_p50"]
+        row.update(needed_for_2x(row, SPEC_TOKENS))
         out["workloads"][name] = row
         print(name, json.dumps(row, indent=1), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
