@@ -7,8 +7,9 @@
 
 A trainer's push goes to the gateway, not to the engines: the gateway exposes an engine-shaped
 intake (`/weights/intake/<id>/...`, the same four weight-sync calls vLLM serves) that stages the
-streamed weights, then rolls them through the fleet one drained replica at a time. The trainer
-streams once; no engine is ever updated while it serves. `?direct=1` lists the real engines and
+streamed weights, then rolls them through the fleet: staged on every engine in parallel while
+they serve, then applied one drained replica at a time. The trainer streams once; no engine's
+live weights change while it serves. `?direct=1` lists the real engines and
 their push token instead, for trainers that manage engines themselves.
 
 Versions: vLLM reports "default" before any update; the gateway labels that "base".
@@ -131,15 +132,22 @@ class RolloutFleet:
     def __init__(self, replicas: list[Replica], state: RolloutState) -> None:
         self.by_url = {r.url: r for r in replicas}
         self.state = state
+        self.verified: dict[str, str] = {}  # url -> engine version read by the rollout's verify
 
     def replicas(self) -> list[str]:
         return list(self.by_url)
+
+    def tier(self, replica: str) -> str:
+        return self.by_url[replica].tier
 
     async def set_routable(self, replica: str, routable: bool) -> None:
         r = self.by_url[replica]
         if routable:
             # Label first, admit second: every response from now on names the weights that made it.
-            await self.sync_version(replica)
+            if replica in self.verified:
+                r.weight_version = gateway_label(self.verified.pop(replica))
+            else:
+                await self.sync_version(replica)
             r.admitted = True
             self.state.note("admitted", r.name, r.weight_version)
         else:
@@ -181,17 +189,24 @@ class GatewayRollout(Rollout):
         self.state.note("updated", name, method)
         return method
 
-    async def _rotate_token(self, replicas: list[str]) -> str:
-        # Runs after the N-1 and new checkpoints are on disk, before the first drain.
-        self.state.note("checkpointed", detail=f"{self.store.versions()}")
-        token = await super()._rotate_token(replicas)
-        self.state.note("armed", detail="push token rotated on every engine")
-        return token
+    def _note(self, event: str, replica: str = "", detail: str = "") -> None:
+        name = self.rfleet.by_url[replica].name if replica in self.rfleet.by_url else replica
+        self.state.note(event, name, detail)
 
-    async def _verify(self, replica: str, version: str) -> None:
-        await super()._verify(replica, version)
-        await self.rfleet.sync_version(replica)
+    async def _abort(self, version: str, touched: list[str], previous: dict[str, str]) -> None:
+        self.rfleet.verified.clear()  # restored replicas are labelled from the engine again
+        await super()._abort(version, touched, previous)
+
+    def _stage_targets(self, replicas: list[str]) -> list[str]:
+        # A checkpoint rollout reloads from disk; only pushed weights are staged over the wire.
+        return [] if self.checkpoint is not None else super()._stage_targets(replicas)
+
+    async def _verify(self, replica: str, version: str) -> str:
+        served = await super()._verify(replica, version)
+        self.rfleet.verified[replica] = served
+        self.rfleet.by_url[replica].weight_version = gateway_label(served)
         self.state.note("verified", self.rfleet.by_url[replica].name, gateway_label(version))
+        return served
 
 
 # -- push intake: the gateway plays one engine for the trainer -------------------------------------

@@ -24,10 +24,14 @@ from trainer_bridge import (
     EngineClient,
     PushRefused,
     RolloutFailed,
+    WeightSet,
+    apply_staged,
     arm_engine,
+    discard_staged,
     engine_weight_version,
     push_to_engine,
     reload_from_checkpoint,
+    stage,
 )
 from trainer_bridge.checkpoint import CheckpointStore
 from trainer_bridge.rollout import EngineFleet, Rollout
@@ -188,6 +192,25 @@ def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weig
         push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5)
     assert engine_weight_version(url) == "base"
     assert text(url) == before
+
+
+def test_staged_weights_serve_only_once_applied(on_base, base_weights):
+    url = on_base
+    before = text(url)
+    dtype = EngineClient(url).model_dtype()
+    sessions, _ = stage(WeightSet.from_model(perturbed(base_weights, 8), dtype=dtype), [url], TOKEN)
+    # Streamed and verified into the engine's buffers while it kept serving the old weights.
+    assert text(url) == before
+    assert engine_weight_version(url) == "base"
+    apply_staged(url, sessions[url], "staged-1")
+    assert engine_weight_version(url) == "staged-1"
+    applied = text(url)
+    assert applied != before
+    # Staged but discarded (an aborted rollout): never loaded, not even by a later session.
+    stage(WeightSet.from_model(perturbed(base_weights, 9), dtype=dtype), [url], TOKEN)
+    discard_staged(url)
+    assert text(url) == applied
+    assert engine_weight_version(url) == "staged-1"
 
 
 def test_unauthenticated_push_is_refused(on_base, base_weights):

@@ -9,7 +9,7 @@ import torch
 
 from trainer_bridge import CheckpointStore, WeightSet, checkpoint_name
 from trainer_bridge.errors import ChecksumMismatch, PushRefused
-from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
+from trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
 from trainer_bridge.sender import ChunkSender, StreamTarget
 
 
@@ -24,10 +24,11 @@ def _weights() -> WeightSet:
     )
 
 
-def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrupt: int | None = None):
+def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrupt: int | None = None,
+              pool: StagingPool | None = None):
     """Run one stream; returns (staging, receiver exception, sender-side target)."""
     layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
-    staging = StagingArea(layout)
+    staging = StagingArea(layout, pool)
     with ChunkSender(chunk_bytes=4096, connect_timeout_s=10) as sender:
         target = StreamTarget(token=sender_token, corrupt_chunk=corrupt)
         info = sender.update_info(weights, target, timeout_s=10)
@@ -55,6 +56,20 @@ def test_stream_lands_every_byte_in_the_preallocated_buffers():
         assert name == entry.name and tensor.dtype == entry.dtype
         assert torch.equal(tensor, entry.tensor)
     assert target.bytes_sent == weights.total_bytes
+
+
+def test_registered_pool_is_reused_across_updates():
+    pool = StagingPool()
+    first, error, _ = _transfer(_weights(), "t", "t", pool=pool)
+    assert error is None
+    arena = pool.reserve(0).data_ptr()
+    # Every staged tensor is a view into the one arena, so an update writes no fresh pages.
+    assert all(t.untyped_storage().data_ptr() == arena for t in first.tensors)
+    weights = _weights()
+    second, error, _ = _transfer(weights, "t", "t", pool=pool)
+    assert error is None and pool.reserve(0).data_ptr() == arena
+    for entry, (_, tensor) in zip(weights.entries, second.items()):
+        assert torch.equal(tensor, entry.tensor)
 
 
 def test_flipped_byte_is_caught_on_both_ends():

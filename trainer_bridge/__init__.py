@@ -19,12 +19,15 @@ from trainer_bridge.errors import (
 )
 from trainer_bridge.push import (
     PushReport,
+    apply_staged,
     arm_engine,
+    discard_staged,
     engine_weight_version,
     make_push_token,
     push,
     push_to_engine,
     reload_from_checkpoint,
+    stage,
 )
 from trainer_bridge.weights import WeightSet, checkpoint_name
 
@@ -41,12 +44,15 @@ __all__ = [
     "RolloutFailed",
     "TransferError",
     "WeightSet",
+    "apply_staged",
     "arm_engine",
     "checkpoint_name",
+    "discard_staged",
     "engine_weight_version",
     "make_push_token",
     "push",
     "push_to_engine",
     "reload_from_checkpoint",
+    "stage",
     "write_checkpoint",
 ]

@@ -4,11 +4,19 @@ vLLM drives it through its own dev-mode endpoints (`/init_weight_transfer_engine
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`). Each `/update_weights` call
 is one transaction: stage every parameter, verify every chunk, and only then load the weights,
 so a refused or corrupt push never reaches the live model.
+
+A transaction can also be split in two (`phase`): "stage" returns at once and receives + verifies
+in a background thread while the engine keeps serving; "apply" (same session) waits for it and
+loads. A rollout stages every replica in parallel and only drains a replica for the short apply.
+Staging memory is registered once (`StagingPool`) and reused by every later update.
 """
 
 from __future__ import annotations
 
 import hmac
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +29,8 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from trainer_bridge import wire
-from trainer_bridge.errors import PushRefused
-from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
+from trainer_bridge.errors import PushRefused, TransferError
+from trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,11 +63,59 @@ class YieldgateUpdateInfo(WeightTransferUpdateInfo):
     checksum: str = "crc32"
     timeout_s: float = 60.0
     transport: str = "tcp"  # "tcp" | "nccl"
+    phase: str = "load"  # "load": receive, verify, load | "stage": in the background | "apply"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("names, dtype_names and shapes must have the same length")
+        if self.phase not in ("load", "stage", "apply"):
+            raise ValueError(f"unknown phase {self.phase!r}")
+
+
+class _StagedUpdate:
+    """An update being received in the background ("stage"), applied later ("apply")."""
+
+    def __init__(self, session: str, staging: StagingArea) -> None:
+        self.session = session
+        self.staging = staging
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, receive: Any) -> None:
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                receive(self)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
+                self.error = exc
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="yieldgate-stage", daemon=True)
+        self._thread.start()
+
+    def on_socket(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def wait(self, timeout_s: float) -> None:
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self.cancel()
+            raise TransferError(f"staged update still receiving after {timeout_s:.0f}s")
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # unblocks recv_into in the stage thread
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(10.0)
 
 
 class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, YieldgateUpdateInfo]):
@@ -76,6 +132,8 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
         super().__init__(config, vllm_config, device, model)
         self._token: str | None = None
         self._nccl: WeightTransferEngine | None = None
+        self._pool = StagingPool()
+        self._staged: _StagedUpdate | None = None
         self.updates_applied = 0
 
     def init_transfer_engine(self, init_info: YieldgateInitInfo) -> None:
@@ -93,9 +151,9 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
         logger.info("yieldgate weight transfer armed")
 
     def start_weight_update(self) -> None:
-        # Deliberately non-destructive: staging happens inside update_weights, so a session that
-        # is abandoned here costs nothing.
-        pass
+        # Non-destructive: staging happens inside update_weights, so a session that is abandoned
+        # here costs nothing. A stale staged update from an abandoned session is dropped.
+        self._discard_staged()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         typed = self.parse_update_info(update_info)
@@ -109,32 +167,74 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
             return
         if self._token is None:
             raise PushRefused("engine not armed: call /init_weight_transfer_engine with a token")
-        staging = StagingArea(
-            [
-                ParamLayout(n, wire.parse_dtype(d), tuple(s))
-                for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
-            ]
-        )
-        receive_update(
-            update_info.sender,
-            bytes.fromhex(update_info.session),
-            self._token,
-            staging,
-            update_info.checksum,
-            update_info.timeout_s,
-        )
-        self._load(staging.items())
+        if update_info.phase == "apply":
+            self._apply_staged(update_info)
+            return
+        self._discard_staged()
+        staged = _StagedUpdate(update_info.session, self._staging(update_info))
+        token = self._token
+
+        def receive(update: _StagedUpdate) -> None:
+            receive_update(
+                update_info.sender,
+                bytes.fromhex(update_info.session),
+                token,
+                update.staging,
+                update_info.checksum,
+                update_info.timeout_s,
+                on_socket=update.on_socket,
+            )
+
+        if update_info.phase == "stage":
+            # Returns at once: the engine keeps serving while the chunks land and are verified.
+            self._staged = staged
+            staged.start(receive)
+            return
+        t0 = time.perf_counter()
+        receive(staged)
+        staged.seconds = time.perf_counter() - t0
+        self._load_staged(staged)
+
+    def _staging(self, update_info: YieldgateUpdateInfo) -> StagingArea:
+        layout = [
+            ParamLayout(n, wire.parse_dtype(d), tuple(s))
+            for n, d, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)
+        ]
+        return StagingArea(layout, self._pool)
+
+    def _apply_staged(self, update_info: YieldgateUpdateInfo) -> None:
+        staged, self._staged = self._staged, None
+        if staged is None or not hmac.compare_digest(staged.session, update_info.session):
+            if staged is not None:
+                staged.cancel()
+            raise TransferError("no staged update for this session: stage it first")
+        staged.wait(update_info.timeout_s)
+        self._load_staged(staged)
+
+    def _load_staged(self, staged: _StagedUpdate) -> None:
+        t0 = time.perf_counter()
+        self._load(staged.staging.items())
         self.updates_applied += 1
         logger.info(
-            "yieldgate: loaded %d tensors (%.1f MB) after verifying every chunk",
-            len(staging.layout),
-            staging.total_bytes / 1e6,
+            "yieldgate: %d tensors (%.1f MB) received+verified in %.3fs, loaded in %.3fs",
+            len(staged.staging.layout),
+            staged.staging.total_bytes / 1e6,
+            staged.seconds,
+            time.perf_counter() - t0,
         )
 
+    def _discard_staged(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged.cancel()
+
     def finish_weight_update(self) -> None:
-        pass
+        # A staged update nobody applied (an aborted rollout) is dropped, never loaded later.
+        self._discard_staged()
 
     def shutdown(self) -> None:
+        self._discard_staged()
+        self._pool.release()
         if self._nccl is not None:
             self._nccl.shutdown()
             self._nccl = None

@@ -114,62 +114,17 @@ def _push(
     corrupt_chunk: int | None,
 ) -> PushReport:
     started = time.perf_counter()
-    failures: dict[str, BaseException] = {}
-
-    def prepare(client: EngineClient) -> None:
-        if init:
-            client.init_weight_transfer_engine({"token": token})
-        client.start_weight_update()
-
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
-        for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001 - reported per engine
-                failures[client.base_url] = exc
-        live = [c for c in clients if c.base_url not in failures]
-
-        transfer_started = time.perf_counter()
-        with ChunkSender(
-            cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
-        ) as sender:
-            targets = {c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk) for c in live}
-
-            def update(client: EngineClient) -> None:
-                target = targets[client.base_url]
-                try:
-                    client.update_weights(sender.update_info(weights, target, cfg.stream_timeout_s))
-                except Exception as exc:
-                    target.done.wait(1.0)  # let the writer record the stream-side reason first
-                    target.fail(exc)
-                    raise
-
-            bar = _progress_bar(weights.total_bytes * len(live), version) if progress else None
-            lock = threading.Lock()
-
-            def tick(n: int) -> None:
-                with lock:
-                    bar.update(n)
-
-            updates = {c.base_url: pool.submit(update, c) for c in live}
-            sender.stream(weights, list(targets.values()), tick if bar else None)
-            for url, fut in updates.items():
-                try:
-                    fut.result()
-                except BaseException as exc:  # noqa: BLE001
-                    failures[url] = targets[url].error or exc
-                else:
-                    if targets[url].error is not None:
-                        failures[url] = targets[url].error
-            if bar is not None:
-                bar.close()
-        transfer_seconds = time.perf_counter() - transfer_started
+        failures, transfer_seconds, _ = _stream(
+            pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
+            label=version, corrupt_chunk=corrupt_chunk,
+        )
 
         def finish(client: EngineClient) -> None:
             client.finish_weight_update(version)
             client.reset_prefix_cache()
 
-        ok = [c for c in live if c.base_url not in failures]
+        ok = [c for c in clients if c.base_url not in failures]
         for client, fut in [(c, pool.submit(finish, c)) for c in ok]:
             try:
                 fut.result()
@@ -186,6 +141,124 @@ def _push(
         seconds=time.perf_counter() - started,
         transfer_seconds=transfer_seconds,
     )
+
+
+def _stream(
+    pool: ThreadPoolExecutor,
+    weights: WeightSet,
+    clients: list[EngineClient],
+    token: str,
+    cfg: BridgeConfig,
+    *,
+    phase: str,
+    init: bool,
+    progress: bool = False,
+    label: str = "",
+    corrupt_chunk: int | None = None,
+) -> tuple[dict[str, BaseException], float, dict[str, str]]:
+    """Arm (if `init`), start and stream one serialization of `weights` to every engine.
+
+    -> (failures by engine URL, transfer seconds, session hex by engine URL). With phase "load"
+    each engine has loaded the weights when this returns; with "stage" each holds them verified
+    in its staging buffers, to be loaded by `apply_staged`."""
+    failures: dict[str, BaseException] = {}
+
+    def prepare(client: EngineClient) -> None:
+        if init:
+            client.init_weight_transfer_engine({"token": token})
+        client.start_weight_update()
+
+    for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - reported per engine
+            failures[client.base_url] = exc
+    live = [c for c in clients if c.base_url not in failures]
+
+    transfer_started = time.perf_counter()
+    with ChunkSender(
+        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
+    ) as sender:
+        targets = {c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk) for c in live}
+
+        def update(client: EngineClient) -> None:
+            target = targets[client.base_url]
+            try:
+                info = sender.update_info(weights, target, cfg.stream_timeout_s)
+                client.update_weights({**info, "phase": phase})
+            except Exception as exc:
+                target.done.wait(1.0)  # let the writer record the stream-side reason first
+                target.fail(exc)
+                raise
+
+        bar = _progress_bar(weights.total_bytes * len(live), label) if progress else None
+        lock = threading.Lock()
+
+        def tick(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        updates = {c.base_url: pool.submit(update, c) for c in live}
+        sender.stream(weights, list(targets.values()), tick if bar else None)
+        for url, fut in updates.items():
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001
+                failures[url] = targets[url].error or exc
+            else:
+                if targets[url].error is not None:
+                    failures[url] = targets[url].error
+        if bar is not None:
+            bar.close()
+    sessions = {url: t.session.hex() for url, t in targets.items() if url not in failures}
+    return failures, time.perf_counter() - transfer_started, sessions
+
+
+def stage(
+    weights: WeightSet, engines: Sequence[str], token: str, config: BridgeConfig | None = None
+) -> tuple[dict[str, str], float]:
+    """Stream `weights` into every engine's staging buffers, verified but not loaded: the
+    engines keep serving their current weights meanwhile. -> (session per engine, seconds).
+    Raises PushFailed (and drops what the other engines staged) if any engine failed."""
+    cfg = config or BridgeConfig()
+    clients = [EngineClient(url, cfg.http_timeout_s) for url in engines]
+    try:
+        with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
+            failures, seconds, sessions = _stream(
+                pool, weights, clients, token, cfg, phase="stage", init=False
+            )
+            if failures:
+                for client in clients:
+                    try:
+                        client.finish_weight_update()  # ends the session; the engine drops staging
+                    except Exception:  # noqa: BLE001 - best effort; a later start drops it too
+                        pass
+                raise PushFailed(failures)
+        return sessions, seconds
+    finally:
+        for c in clients:
+            c.close()
+
+
+def apply_staged(
+    engine_url: str, session: str, version: str, config: BridgeConfig | None = None
+) -> None:
+    """Load what `stage` left in the engine, commit `version`, reset the prefix cache (KV from
+    the old weights must not be reused). The engine must not be serving meanwhile."""
+    cfg = config or BridgeConfig()
+    with EngineClient(engine_url, cfg.http_timeout_s) as client:
+        client.update_weights(
+            {"names": [], "dtype_names": [], "shapes": [], "session": session, "phase": "apply",
+             "timeout_s": cfg.stream_timeout_s}
+        )
+        client.finish_weight_update(version)
+        client.reset_prefix_cache()
+
+
+def discard_staged(engine_url: str) -> None:
+    """End the engine's update session without loading anything it staged."""
+    with EngineClient(engine_url, 60.0) as client:
+        client.finish_weight_update()
 
 
 def _progress_bar(total: int, version: str):

@@ -7,9 +7,11 @@ served weights exactly as they were.
 
 from __future__ import annotations
 
+import math
 import queue
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +27,58 @@ class ParamLayout:
     shape: tuple[int, ...]
 
 
-class StagingArea:
-    """One pre-allocated buffer per parameter, sized from the metadata exchanged at update time."""
+_ALIGN = 64  # every staged tensor starts on a cache line
 
-    def __init__(self, layout: list[ParamLayout]) -> None:
+
+class StagingPool:
+    """Registered receive memory, kept between updates (RDMA-style registration).
+
+    The first touch of freshly allocated pages costs more than the transfer itself here
+    (382 MB: ~1.2 s of page faults inside recv_into vs ~0.25 s for the bytes), so the engine
+    keeps one pre-faulted arena sized to the largest update it has taken and carves every
+    update's staging tensors out of it. Memory cost: one copy of the pushed weights per engine.
+    """
+
+    def __init__(self) -> None:
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self._arena.numel()
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """A byte arena of at least `nbytes`, every page already faulted in."""
+        if self._arena.numel() < nbytes:
+            self._arena = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._arena = torch.empty(nbytes, dtype=torch.uint8)
+            self._arena.zero_()  # fault every page now, not inside the receive loop
+        return self._arena
+
+    def release(self) -> None:
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class StagingArea:
+    """One pre-allocated buffer per parameter, sized from the metadata exchanged at update time.
+
+    With a `pool`, the buffers are views into its registered arena (valid until the pool's next
+    `reserve`); without one, they are freshly allocated."""
+
+    def __init__(self, layout: list[ParamLayout], pool: StagingPool | None = None) -> None:
         self.layout = layout
-        self.tensors = [torch.empty(p.shape, dtype=p.dtype) for p in layout]
+        sizes = [math.prod(p.shape) * p.dtype.itemsize for p in layout]
+        if pool is None:
+            self.tensors = [torch.empty(p.shape, dtype=p.dtype) for p in layout]
+        else:
+            arena = pool.reserve(sum(_aligned(n) for n in sizes))
+            self.tensors, offset = [], 0
+            for p, n in zip(layout, sizes):
+                self.tensors.append(arena[offset : offset + n].view(p.dtype).view(p.shape))
+                offset += _aligned(n)
         self.views = [wire.byte_view(t) for t in self.tensors]
         self.filled = [0] * len(layout)
 
@@ -82,16 +130,20 @@ def receive_update(
     staging: StagingArea,
     checksum: str,
     timeout_s: float,
+    on_socket: Callable[[socket.socket], None] | None = None,
 ) -> None:
     """Connect to the trainer's sender, stream every chunk into `staging`, verify all of it.
 
     Raises PushRefused / ChecksumMismatch / TransferError; on success `staging` is complete.
+    `on_socket` receives the connected socket (shutting it down cancels the transfer).
     """
     if checksum not in wire.CHECKSUMS:
         raise TransferError(f"unsupported checksum {checksum!r}")
     host, _, port = sender.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if on_socket is not None:
+        on_socket(sock)
     verifier = _Verifier(checksum)
     verifier.start()
     try:

@@ -1,12 +1,18 @@
 """Rolling a new weight version through a fleet without serving a request from half-loaded
 weights, and with a one-call way back.
 
-The gateway plugs its fleet in through `Fleet` (three methods). Per replica (mode "rolling"):
-take it out of routing, drain (in-flight == 0, bounded wait), update (yieldgate push, or a
-checkpoint reload for engines without the plugin), reset its prefix cache, verify (health +
-version + optional eval), re-admit. Mode "all_at_once" pauses every engine (`/pause?mode=wait`),
-updates all, resets caches and resumes. Any failure restores the previous version from the
-on-disk checkpoint on every replica this rollout touched, then raises RolloutFailed(reason).
+The gateway plugs its fleet in through `Fleet` (three methods, plus an optional `tier`).
+Before any replica leaves routing, everything that does not need a drained engine runs at once:
+version lookups, the N-1 checkpoints, push-token rotation, and *staging* the new weights on
+every plugin engine in parallel (streamed and verified into its buffers while it keeps serving);
+the new version's checkpoint is written meanwhile. Then, per replica (mode "rolling"): take it
+out of routing, drain (in-flight == 0, bounded wait), apply the staged weights (or reload a
+checkpoint for engines without the plugin), reset its prefix cache, verify (health + version +
+optional eval), re-admit. Replicas swap together when every tier keeps a routable replica of
+its own meanwhile (a tier whose only replica is out borrows the others, so the fleet keeps at
+least one). Mode "all_at_once" stages, pauses every engine (`/pause?mode=wait`), applies,
+resets caches and resumes. Any failure restores the previous version from the on-disk
+checkpoint on every replica this rollout touched, then raises RolloutFailed(reason).
 """
 
 from __future__ import annotations
@@ -25,8 +31,17 @@ import msgspec
 from trainer_bridge.checkpoint import CheckpointStore
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.engine_client import EngineClient
-from trainer_bridge.errors import BridgeError, RolloutFailed
-from trainer_bridge.push import ModelLike, _weights, make_push_token, push, reload_from_checkpoint
+from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, RolloutFailed
+from trainer_bridge.push import (
+    ModelLike,
+    _weights,
+    apply_staged,
+    discard_staged,
+    make_push_token,
+    push,
+    reload_from_checkpoint,
+    stage,
+)
 from trainer_bridge.weights import WeightSet
 
 log = logging.getLogger(__name__)
@@ -43,6 +58,32 @@ class Fleet(Protocol):
     async def set_routable(self, replica: str, routable: bool) -> None: ...
 
     async def inflight(self, replica: str) -> int: ...
+
+
+def swap_waves(replicas: Sequence[str], tier_of: Callable[[str], str]) -> list[list[str]]:
+    """Group replicas into waves that swap together. A wave may take out several replicas of a
+    tier as long as one of them stays routable; a tier with a single replica borrows the others
+    while it is out, so at most one such tier is out at a time and something always stays."""
+    size = {t: sum(tier_of(x) == t for x in replicas) for t in map(tier_of, replicas)}
+
+    def allowed(out: set[str]) -> bool:
+        left = [x for x in replicas if x not in out]
+        lone = {tier_of(x) for x in out if size[tier_of(x)] == 1}
+        shared_ok = all(
+            any(tier_of(x) == tier_of(r) for x in left) for r in out if size[tier_of(r)] > 1
+        )
+        return bool(left) and len(lone) <= 1 and shared_ok
+
+    pending = list(replicas)
+    waves: list[list[str]] = []
+    while pending:
+        wave = [pending[0]]  # always progresses, even for a fleet of one
+        for r in pending[1:]:
+            if allowed(set(wave) | {r}):
+                wave.append(r)
+        waves.append(wave)
+        pending = [r for r in pending if r not in wave]
+    return waves
 
 
 class EngineFleet:
@@ -94,6 +135,9 @@ class Rollout:
         self.config = config or BridgeConfig()
         # The push token engines are armed with; each rollout rotates it.
         self.token = current_token
+        self._backends: dict[str, str | None] = {}
+        self._sessions: dict[str, str] = {}  # replica -> staged session awaiting its swap
+        self._saving: asyncio.Future | None = None
 
     async def run(self, weights: ModelLike, version: str) -> RolloutReport:
         started = time.perf_counter()
@@ -101,23 +145,47 @@ class Rollout:
         if not replicas:
             raise RolloutFailed("fleet has no replicas")
         wset = _weights(weights, None)
-        previous = {r: await asyncio.to_thread(_version, r) for r in replicas}
-        for prev in set(previous.values()):
-            self._ensure_checkpoint(prev)
-        # Saved before any engine changes: this version becomes N-1 for the next rollout.
-        await asyncio.to_thread(self.store.save, version, wset.state_dict())
-        token = await self._rotate_token(replicas)
+        self._sessions = {}
+        self._saving = None
+
+        # Nothing below touches what any replica serves, so it all overlaps: rotate the token and
+        # stage the weights on every plugin engine, while the N-1 checkpoints are made sure of
+        # and this version is written to disk (it becomes N-1 for the next rollout).
+        async def checkpoints() -> dict[str, str]:
+            found = await asyncio.gather(*(asyncio.to_thread(_version, r) for r in replicas))
+            previous = dict(zip(replicas, found))
+            for prev in set(previous.values()):
+                await asyncio.to_thread(self._ensure_checkpoint, prev)
+            self._saving = asyncio.ensure_future(
+                asyncio.to_thread(self.store.save, version, wset.state_dict())
+            )
+            return previous
+
+        prepared = await asyncio.gather(checkpoints(), self._prepare(replicas, wset),
+                                        return_exceptions=True)
+        for result in prepared:
+            if isinstance(result, BaseException):
+                await self._drop_staged()
+                served = prepared[0] if isinstance(prepared[0], dict) else {}
+                await self._saved(version, keep=version in served.values())
+                if isinstance(result, RolloutFailed):
+                    raise result
+                raise RolloutFailed(f"{type(result).__name__}: {result}") from result
+        previous, token = prepared
 
         touched: list[str] = []
         methods: dict[str, str] = {}
         try:
             if self.mode == "rolling":
-                for replica in replicas:
-                    await self._take_out(replica)
-                    touched.append(replica)
-                    methods[replica] = await self._update(replica, wset, version, token)
-                    await self._verify(replica, version)
-                    await self.fleet.set_routable(replica, True)
+                tier = getattr(self.fleet, "tier", lambda _r: "")
+                for wave in swap_waves(replicas, tier):
+                    outcomes = await asyncio.gather(
+                        *(self._swap(r, wset, version, token, touched, methods) for r in wave),
+                        return_exceptions=True,
+                    )
+                    for outcome in outcomes:
+                        if isinstance(outcome, BaseException):
+                            raise outcome
             else:
                 await asyncio.gather(*(asyncio.to_thread(_pause, r) for r in replicas))
                 touched.extend(replicas)
@@ -126,10 +194,10 @@ class Rollout:
                         *(self._update(r, wset, version, token) for r in replicas)
                     )
                     methods = dict(zip(replicas, results))
-                    for replica in replicas:
-                        await self._verify(replica, version)
+                    await asyncio.gather(*(self._verify(r, version) for r in replicas))
                 finally:
                     await asyncio.gather(*(asyncio.to_thread(_resume, r) for r in replicas))
+            await self._saved(version, keep=True)
         except RolloutFailed as exc:
             await self._abort(version, touched, previous)
             raise RolloutFailed(exc.reason, exc.replica) from exc
@@ -137,6 +205,56 @@ class Rollout:
             await self._abort(version, touched, previous)
             raise RolloutFailed(f"{type(exc).__name__}: {exc}", touched[-1] if touched else None) from exc
         return RolloutReport(version, self.mode, replicas, previous, methods, time.perf_counter() - started)
+
+    async def _prepare(self, replicas: list[str], wset: WeightSet) -> str:
+        """Rotate the push token on every plugin engine, then stage `wset` on them (in parallel,
+        one serialization). -> the new token."""
+        token = await self._rotate_token(replicas)
+        targets = self._stage_targets(replicas)
+        if targets:
+            try:
+                sessions, seconds = await asyncio.to_thread(stage, wset, targets, token, self.config)
+            except PushFailed as exc:
+                url, cause = next(iter(exc.failures.items()))
+                raise RolloutFailed(f"staging failed: {type(cause).__name__}: {cause}", url) from exc
+            self._sessions = sessions
+            self._note("staged", detail=f"{wset.total_bytes} bytes on {len(targets)} engine(s), "
+                                        f"verified in {seconds:.2f}s")
+        return token
+
+    def _stage_targets(self, replicas: list[str]) -> list[str]:
+        return [r for r in replicas if self._backends.get(r) == "yieldgate"]
+
+    async def _swap(self, replica: str, wset: WeightSet, version: str, token: str,
+                    touched: list[str], methods: dict[str, str]) -> None:
+        try:
+            await self._take_out(replica)
+        except BaseException:
+            await self.fleet.set_routable(replica, True)  # untouched: it still serves the old version
+            raise
+        touched.append(replica)
+        methods[replica] = await self._update(replica, wset, version, token)
+        await self._verify(replica, version)
+        await self.fleet.set_routable(replica, True)
+
+    async def _saved(self, version: str, keep: bool) -> None:
+        """Wait for this version's checkpoint; `keep=False` forgets it (a rollout that failed)."""
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return  # never started writing it: whatever the store holds under this name stays
+        await asyncio.gather(saving, return_exceptions=not keep)
+        if keep:
+            self._note("checkpointed", detail=f"{self.store.versions()}")
+        else:
+            await asyncio.to_thread(self.store.discard, version)
+
+    async def _drop_staged(self) -> None:
+        sessions, self._sessions = self._sessions, {}
+        await asyncio.gather(*(asyncio.to_thread(_quietly, discard_staged, r) for r in sessions),
+                             return_exceptions=True)
+
+    def _note(self, event: str, replica: str = "", detail: str = "") -> None:
+        """Timeline hook (the gateway records these)."""
 
     async def rollback(self, to_version: str | None = None) -> str:
         """Put every replica back on `to_version` (default: the version before the newest)."""
@@ -155,36 +273,45 @@ class Rollout:
         while (n := await self.fleet.inflight(replica)) > 0:
             if time.monotonic() > deadline:
                 raise RolloutFailed(f"drain timed out with {n} request(s) in flight", replica)
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.02)
 
     async def _update(self, replica: str, wset: WeightSet, version: str, token: str) -> str:
-        backend = await asyncio.to_thread(_backend, replica)
-        if backend == "yieldgate":
+        session = self._sessions.pop(replica, None)
+        if session is not None:
+            await asyncio.to_thread(apply_staged, replica, session, version, self.config)
+            return "push"
+        if self._backends.get(replica) == "yieldgate":
             await asyncio.to_thread(
                 push, wset, version, [replica], token=token, init=False, progress=False,
                 config=self.config,
             )
             return "push"
+        if self._saving is not None:
+            await asyncio.shield(self._saving)  # the reload reads the checkpoint being written
         await asyncio.to_thread(reload_from_checkpoint, replica, self.store.path(version), version)
         return "reload"
 
-    async def _verify(self, replica: str, version: str) -> None:
+    async def _verify(self, replica: str, version: str) -> str:
+        """-> the version the engine reports (== `version`)."""
         client = EngineClient(replica, self.config.verify_timeout_s)
         try:
-            if not await asyncio.to_thread(client.healthy):
-                raise RolloutFailed("engine unhealthy after update", replica)
-            served = await asyncio.to_thread(client.weight_version)
-            if served != version:
-                raise RolloutFailed(f"engine reports version {served!r}, expected {version!r}", replica)
+            healthy, served = await asyncio.gather(
+                asyncio.to_thread(client.healthy), asyncio.to_thread(client.weight_version)
+            )
         finally:
             client.close()
+        if not healthy:
+            raise RolloutFailed("engine unhealthy after update", replica)
+        if served != version:
+            raise RolloutFailed(f"engine reports version {served!r}, expected {version!r}", replica)
         if self.evaluate is not None and not await self.evaluate(replica):
             raise RolloutFailed("evaluation callback rejected the new weights", replica)
+        return served
 
     async def _abort(self, version: str, touched: list[str], previous: dict[str, str]) -> None:
+        await self._drop_staged()
         await self._restore(touched, previous)
-        if version not in previous.values():
-            self.store.discard(version)
+        await self._saved(version, keep=version in previous.values())
 
     async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
         for replica in replicas:
@@ -199,11 +326,32 @@ class Rollout:
             await self.fleet.set_routable(replica, True)
 
     async def _rotate_token(self, replicas: list[str]) -> str:
+        """Arm every plugin engine with a fresh token, in parallel; the arm call doubles as the
+        backend probe (an engine without our backend refuses the token's shape)."""
         token = make_push_token()
-        for replica in replicas:
-            if await asyncio.to_thread(_backend, replica) == "yieldgate":
+
+        async def arm(replica: str) -> str | None:
+            try:
                 await asyncio.to_thread(_arm, replica, token, self.token)
+                return "yieldgate"
+            except EngineRequestError:
+                backend = await asyncio.to_thread(_backend, replica)
+                if backend == "yieldgate":
+                    raise
+                return backend
+
+        results = await asyncio.gather(*(arm(r) for r in replicas), return_exceptions=True)
+        self._backends = {r: b for r, b in zip(replicas, results) if not isinstance(b, BaseException)}
+        failed = [(r, e) for r, e in zip(replicas, results) if isinstance(e, BaseException)]
+        if failed:
+            armed = [r for r, b in self._backends.items() if b == "yieldgate"]
+            # Hand the engines that took the new token back to the old one (best effort).
+            await asyncio.gather(*(asyncio.to_thread(_quietly, _arm, r, self.token or token, token)
+                                   for r in armed if self.token))
+            replica, exc = failed[0]
+            raise RolloutFailed(f"arming failed: {type(exc).__name__}: {exc}", replica) from exc
         self.token = token
+        self._note("armed", detail="push token rotated on every engine")
         return token
 
     def _ensure_checkpoint(self, version: str) -> None:
@@ -214,6 +362,13 @@ class Rollout:
             self.store.adopt(version, self.store.base_model_dir)
             return
         log.warning("no checkpoint on disk for served version %r: rollback to it impossible", version)
+
+
+def _quietly(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - clean-up on a failure path; the cause is already raised
+        log.warning("%s%s failed: %s", getattr(fn, "__name__", fn), args[:1], exc)
 
 
 def _version(url: str) -> str:

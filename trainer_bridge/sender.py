@@ -196,9 +196,8 @@ class ChunkSender:
                     bad = bytearray(payload)
                     bad[len(bad) // 2] ^= 0xFF  # flipped after the checksum was taken
                     payload = memoryview(bad)
-                conn.sendall(header)
+                _send_frame(conn, header, payload)
                 if len(payload):
-                    conn.sendall(payload)
                     target.bytes_sent += len(payload)
                     if on_progress is not None:
                         on_progress(len(payload))
@@ -220,6 +219,16 @@ class ChunkSender:
                     target._queue.get_nowait()
                 except queue.Empty:
                     break
+
+
+def _send_frame(conn: socket.socket, header: bytes, payload: memoryview) -> None:
+    """Header and payload in one gathered syscall (no header-sized segment of its own)."""
+    sent = conn.sendmsg([header, payload]) if len(payload) else conn.send(header)
+    if sent < len(header):
+        conn.sendall(header[sent:])
+        conn.sendall(payload)
+    elif sent < len(header) + len(payload):
+        conn.sendall(payload[sent - len(header) :])
 
 
 def _try_status(conn: socket.socket | None) -> str:
