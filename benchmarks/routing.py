@@ -338,6 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rates", default="50,100,200,300,400", help="simulated sessions/s")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; a policy may carry tier tuning: cache_aware+queued_request_blocks=8")
+    ap.add_argument("--shared-requests", type=int, default=60, help="real: shared-prefix requests per policy and load")
+    ap.add_argument("--agent-requests", type=int, default=30, help="real: agent-session turns per policy and load")
+    ap.add_argument("--rounds", type=int, default=4, help="real: policies take turns this many times per load")
     ap.add_argument("--records", default="", help="also write every real request record to this JSONL file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "routing"))
@@ -355,9 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     sim = previous.get("sim", [])
     if args.real:
         loads = [int(x) for x in args.loads.split(",")]
-        real = run_real(policies, loads, 12 if args.quick else 60, 8 if args.quick else 30,
+        real = run_real(policies, loads, 12 if args.quick else args.shared_requests,
+                        8 if args.quick else args.agent_requests,
                         [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed,
-                        records_path=args.records)
+                        rounds=args.rounds, records_path=args.records)
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
