@@ -130,7 +130,7 @@ def plot(out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(out["workloads"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(names)), 4.2))
     xs = range(len(names))
     for off, tier in ((-0.2, "standard"), (0.2, "fast")):
         a1.bar([x + off for x in xs], [out["workloads"][n][tier]["e2e_output_tps_per_request_p50"] for n in names],
@@ -138,7 +138,7 @@ def plot(out: dict, path: Path) -> None:
         a2.bar([x + off for x in xs], [out["workloads"][n][tier]["tpot_ms_p50"] for n in names], width=0.4,
                label=tier)
     for ax, title in ((a1, "output tokens / e2e s per request (p50)"), (a2, "TPOT p50 (ms)")):
-        ax.set_xticks(list(xs), names)
+        ax.set_xticks(list(xs), [n.replace("@", "\n") for n in names], rotation=20, fontsize=8)
         ax.set_title(title)
         ax.legend()
     for i, n in enumerate(names):
