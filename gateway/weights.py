@@ -42,6 +42,7 @@ from trainer_bridge import (
     reload_from_checkpoint,
     wire,
 )
+from trainer_bridge.engine_client import tls_context
 from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
 from trainer_bridge.rollout import Rollout
 from trainer_bridge.weights import WeightSet
@@ -405,7 +406,7 @@ class WeightOrchestrator:
 
         async def evaluate(url: str) -> bool:
             # Straight to the engine: the replica is out of routing while it is being verified.
-            async with httpx.AsyncClient(timeout=60.0) as http:
+            async with httpx.AsyncClient(timeout=60.0, verify=tls_context()) as http:
                 resp = await http.post(url + "/v1/completions", json={
                     "model": model, "prompt": canary.prompt, "max_tokens": canary.max_tokens,
                     "temperature": 0})
@@ -585,7 +586,7 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
         # push() asks for the serving dtype; every replica serves the same model.
         orch.intake(rollout_id)
         url = next(iter(orch.fleet.replicas.values())).url
-        async with httpx.AsyncClient(timeout=10.0) as http:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls_context()) as http:
             resp = await http.get(url + "/server_info")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 

@@ -112,3 +112,17 @@ def test_checkpoint_store_keeps_n_versions_and_knows_the_previous(tmp_path):
     assert (store.path("v3") / "config.json").exists()
     with pytest.raises(ValueError):
         store.path("../evil")
+
+
+def test_swap_waves_keep_every_tier_served():
+    from trainer_bridge.rollout import swap_waves
+
+    # The demo fleet: one replica per tier. A lone tier borrows the other while it is out, so
+    # only one of them may be out at a time.
+    tiers = {"standard-0": "standard", "fast-0": "fast"}
+    assert swap_waves(list(tiers), tiers.get) == [["standard-0"], ["fast-0"]]
+    # Two replicas per tier: half of each tier swaps together, the other half keeps serving.
+    tiers = {"s0": "standard", "s1": "standard", "f0": "fast", "f1": "fast"}
+    assert swap_waves(list(tiers), tiers.get) == [["s0", "f0"], ["s1", "f1"]]
+    # A fleet of one still gets updated.
+    assert swap_waves(["only"], lambda _r: "") == [["only"]]

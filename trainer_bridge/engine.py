@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-logger = init_logger(__name__)
+# vLLM only attaches its handler to the "vllm" logger tree; under it, our lines reach the engine log.
+logger = init_logger(f"vllm.{__name__}")
 
 BACKEND = "yieldgate"
 

@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from trainer_bridge.config import BridgeConfig
-from trainer_bridge.engine_client import EngineClient
+from trainer_bridge.engine_client import EngineClient, tls_context
 from trainer_bridge.errors import BridgeError, PushFailed
 from trainer_bridge.sender import ChunkSender, StreamTarget
 from trainer_bridge.weights import WeightSet
@@ -57,7 +57,8 @@ def resolve_gateway_engines(gateway: str, admin_token: str | None) -> tuple[list
     Contract (gateway side): `GET /admin/weight_targets` -> {"engines": [url...], "push_token": str}.
     """
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0)
+    resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0,
+                     verify=tls_context())
     resp.raise_for_status()
     body = resp.json()
     return list(body["engines"]), body.get("push_token")
@@ -251,8 +252,11 @@ def apply_staged(
             {"names": [], "dtype_names": [], "shapes": [], "session": session, "phase": "apply",
              "timeout_s": cfg.stream_timeout_s}
         )
-        client.finish_weight_update(version)
-        client.reset_prefix_cache()
+        # Independent once the weights are in (the engine is drained): one round trip, not two.
+        with ThreadPoolExecutor(1) as pool:
+            reset = pool.submit(client.reset_prefix_cache)
+            client.finish_weight_update(version)
+            reset.result()
 
 
 def discard_staged(engine_url: str) -> None:

@@ -30,7 +30,7 @@ import msgspec
 
 from trainer_bridge.checkpoint import CheckpointStore
 from trainer_bridge.config import BridgeConfig
-from trainer_bridge.engine_client import EngineClient
+from trainer_bridge.engine_client import EngineClient, tls_context
 from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, RolloutFailed
 from trainer_bridge.push import (
     ModelLike,
@@ -103,7 +103,7 @@ class EngineFleet:
         (self.routable.add if routable else self.routable.discard)(replica)
 
     async def inflight(self, replica: str) -> int:
-        async with httpx.AsyncClient(timeout=10.0) as http:
+        async with httpx.AsyncClient(timeout=10.0, verify=tls_context()) as http:
             text = (await http.get(replica + "/metrics")).text
         return int(sum(float(v) for v in self._RUNNING.findall(text)))
 
