@@ -274,7 +274,15 @@ general_settings:
         return descendants(self.proc.pid)
 
     def close(self) -> None:
+        # LiteLLM's worker processes can outlive their parent and keep core 1 busy, which made
+        # the yieldgate variants measured after it look slower than yieldgate itself.
+        tree = self.pids
         stop(self.proc)
+        for pid in tree[1:]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 # -- the load worker (its own process) ----------------------------------------------------------------
@@ -396,15 +404,20 @@ def target(url: str, api_key: str | None, stream: bool = False) -> dict[str, Any
     return {"base_url": url, "model": "demo", "api": "chat", "stream": stream, "api_key": api_key}
 
 
+LOADAVG: dict[str, list[float]] = {}  # 1-minute load average before and after each target
+
+
 def run_target(name: str, url: str, api_key: str | None, pids: list[int], mode: dict, workdir: Path,
                sweep_rates: list[float], streams: bool = True) -> dict[str, Any]:
-    print(f"== {name}", flush=True)
+    LOADAVG[name] = [os.getloadavg()[0]]
+    print(f"== {name} (load average {LOADAVG[name][0]:.2f})", flush=True)
     phases = plan(mode, sweep_rates, streams)
     unary = [p for p in phases if not p["name"].startswith("streams")]
     stream = [p for p in phases if p["name"].startswith("streams")]
     rows = run_phases(target(url, api_key), unary, pids, workdir)
     if stream:
         rows += run_phases(target(url, api_key, stream=True), stream, pids, workdir)
+    LOADAVG[name].append(os.getloadavg()[0])
     return {r["name"]: r for r in rows}
 
 
@@ -518,8 +531,12 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Gateway overhead ({results['mode']} mode, {time.strftime('%Y-%m-%d %H:%M', time.localtime(results['started_at']))})",
              "", f"Machine: {os.cpu_count()} cores; gateway pinned to core {GATEWAY_CORE}, fake upstream + "
              f"load generator on core {CLIENT_CORE}. Chat requests, ~1.5 KB prompt, 16 output tokens (unary). "
-             f"LiteLLM {results.get('litellm_version') or '-'}. Other engineers' jobs share the machine: "
-             f"figures are noisy.", "",
+             f"LiteLLM {results.get('litellm_version') or '-'}. 1-minute load average before/after each "
+             f"target: " + ", ".join(f"{k} {v[0]:.2f}/{v[-1]:.2f}" for k, v in results.get("loadavg_1min", {}).items())
+             + " (2 cores; the machine is shared with other engineers, whose runs take the same lock)."
+             + (" LiteLLM was measured in a second run against the same upstream settings, "
+                f"{(results['litellm_separate_run_at'] - results['started_at']) / 60:.0f} min after the first."
+                if results.get("litellm_separate_run_at") else ""), "",
              "## Added latency over direct (ms), open-loop Poisson", "",
              "| target | rate | p50 | p99 | added p50 | added p99 | errors | gateway CPU µs/req |",
              "|---|---|---|---|---|---|---|---|"]
@@ -624,6 +641,9 @@ def main() -> None:
     p.add_argument("--skip-litellm", action="store_true")
     p.add_argument("--skip-variants", action="store_true", help="don't measure feature-off variants")
     p.add_argument("--skip-rss", action="store_true")
+    p.add_argument("--litellm-only", metavar="RESULTS_JSON",
+                   help="measure only LiteLLM and add it to an earlier run's results (so that the "
+                        "full mode fits in two shorter holds of a shared machine)")
     p.add_argument("--out", default=str(RESULTS / "gateway_overhead"), help="output path prefix")
     p.add_argument("--load-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -634,30 +654,32 @@ def main() -> None:
     mode = MODES[mode_name]
     workdir = Path(tempfile.mkdtemp(prefix="yg-overhead-"))
     results: dict[str, Any] = {"mode": mode_name, "started_at": time.time(), "targets": {}, "variants": {}}
+    if a.litellm_only:
+        results = json.loads(Path(a.litellm_only).read_text())
+        results["targets"].pop("litellm", None)
+        results["litellm_separate_run_at"] = time.time()
+        mode_name = results["mode"]
+        mode = MODES[mode_name]
+        LOADAVG.update({k: v for k, v in results.get("loadavg_1min", {}).items() if k != "litellm"})
     up_port = free_port()
     upstream = start_upstream(up_port)
     up_url = f"http://127.0.0.1:{up_port}"
     t0 = time.monotonic()
     try:
-        results["targets"]["direct"] = run_target("direct", up_url, None, [], mode, workdir, SWEEP)
-        cleanup_redis()
-        yg = Yieldgate(up_url, workdir, "full")
-        try:
-            results["targets"]["yieldgate"] = run_target("yieldgate", yg.url, yg.api_key, yg.pids, mode, workdir, SWEEP)
-            if not a.skip_rss:
-                results["rss"] = rss_run(yg.url, yg.api_key, yg.pids, mode, workdir)
-        finally:
-            yg.close()
-        if not a.skip_litellm:
-            ll = LiteLLM(up_url, workdir)
-            results["litellm_version"] = ll.version
+        if not a.litellm_only:
+            results["targets"]["direct"] = run_target("direct", up_url, None, [], mode, workdir, SWEEP)
+            cleanup_redis()
+            yg = Yieldgate(up_url, workdir, "full")
             try:
-                results["targets"]["litellm"] = run_target("litellm", ll.url, ll.api_key, ll.pids, mode, workdir,
-                                                           SWEEP_SLOW)
+                results["targets"]["yieldgate"] = run_target("yieldgate", yg.url, yg.api_key, yg.pids, mode,
+                                                             workdir, SWEEP)
+                if not a.skip_rss:
+                    results["rss"] = rss_run(yg.url, yg.api_key, yg.pids, mode, workdir)
             finally:
-                ll.close()
-        if not a.skip_variants:
+                yg.close()
+        if not a.skip_variants and not a.litellm_only:  # before LiteLLM: nothing of it may be left running on core 1
             for variant in ("no_tokenize", "no_auth", "minimal"):
+                cleanup_redis()
                 g = Yieldgate(up_url, workdir, variant)
                 try:
                     print(f"== yieldgate[{variant}]", flush=True)
@@ -666,10 +688,19 @@ def main() -> None:
                     results["variants"][variant] = {r["name"]: r for r in rows}
                 finally:
                     g.close()
+        if not a.skip_litellm:
+            ll = LiteLLM(up_url, workdir)
+            results["litellm_version"] = ll.version
+            try:
+                results["targets"]["litellm"] = run_target("litellm", ll.url, ll.api_key, ll.pids, mode, workdir,
+                                                           SWEEP_SLOW)
+            finally:
+                ll.close()
     finally:
         stop(upstream)
         cleanup_redis()
-    results["runtime_s"] = time.monotonic() - t0
+    results["runtime_s"] = results.get("runtime_s", 0) + time.monotonic() - t0
+    results["loadavg_1min"] = LOADAVG
     results["analysis"] = analyse(results)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
