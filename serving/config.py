@@ -70,6 +70,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     share_factor: float = 1.15
     share_slack: float = 4.0
     share_keep_blocks: int = 16
+    # Prefill routed to a replica whose first token is not back yet counts this much per block.
+    pending_weight: float = 0.5
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
