@@ -32,6 +32,8 @@ from cache.blocks import BlockHash
 
 log = logging.getLogger(__name__)
 
+# How long local changes gather before one Redis write (and one published message) carries them.
+WRITE_BATCH_S = 0.05
 # Rough CPython cost of one OrderedDict entry holding an int key (node + int + slot).
 _BYTES_PER_ENTRY = 120
 
@@ -204,7 +206,7 @@ class SharedPrefixIndex:
         self._tasks: list[asyncio.Task] = []
         self._pubsub: Any = None
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(_Op)
+        self._decoder = msgspec.msgpack.Decoder(list[_Op])  # one message per write batch
         self._writing = False
         self.applied_remote = 0
 
@@ -334,6 +336,9 @@ class SharedPrefixIndex:
     async def _flush_loop(self) -> None:
         while True:
             await self._wake.wait()
+            # Let a batch gather: one pipeline and one message per batch, not per routed request
+            # (this gateway receives its own messages too).
+            await asyncio.sleep(WRITE_BATCH_S)
             self._wake.clear()
             ops, self._pending = self._pending, []
             if ops:
@@ -367,8 +372,7 @@ class SharedPrefixIndex:
                 touched.add(op.replica)
         for replica in touched:  # same LRU bound in Redis as locally
             pipe.zremrangebyrank(self._key(replica), 0, -self.local.capacity(replica) - 1)
-        for op in ops:
-            pipe.publish(self.channel, self._encoder.encode(op))
+        pipe.publish(self.channel, self._encoder.encode(ops))
         await pipe.execute()
 
     async def _listen_loop(self) -> None:
@@ -377,11 +381,12 @@ class SharedPrefixIndex:
             if msg is None or msg.get("type") != "message":
                 continue
             try:
-                op = self._decoder.decode(msg["data"])
+                ops = self._decoder.decode(msg["data"])
             except msgspec.DecodeError:
                 log.warning("prefix index: undecodable op on %s", self.channel)
                 continue
-            if op.origin == self.origin:
-                continue
-            self._apply(op)
-            self.applied_remote += 1
+            for op in ops:
+                if op.origin == self.origin:
+                    break  # a batch comes from one gateway
+                self._apply(op)
+                self.applied_remote += 1
