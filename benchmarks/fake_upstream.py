@@ -8,7 +8,8 @@ per-token interval; streams send each token as its own SSE event in its own HTTP
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (stream or not; usage includes
 prompt_tokens_details.cached_tokens), GET /health, GET /metrics (connection/request counters, the
-tests use them to check the gateway's connection reuse), GET /v1/models.
+tests use them to check the gateway's connection reuse), GET /last-request (the last request body
+as received), GET /v1/models.
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ class Settings(msgspec.Struct, kw_only=True):
 
 
 class Counters:
-    __slots__ = ("connections_total", "connections_open", "requests_total", "streams_open")
+    __slots__ = ("connections_total", "connections_open", "requests_total", "streams_open", "last_body")
+    COUNTERS = __slots__[:4]
 
     def __init__(self) -> None:
         self.connections_total = 0
         self.connections_open = 0
         self.requests_total = 0
         self.streams_open = 0
+        self.last_body = b""
 
     def render(self) -> bytes:
-        return "".join(f"fake_upstream_{name} {getattr(self, name)}\n" for name in self.__slots__).encode()
+        return "".join(f"fake_upstream_{name} {getattr(self, name)}\n" for name in self.COUNTERS).encode()
 
 
 def _usage(prompt_tokens: int, completion: int, cached_ratio: float) -> dict:
@@ -130,6 +133,8 @@ class UpstreamProtocol(asyncio.Protocol):
                 self._send(200, b"", close=not req.keep_alive)
             elif path == b"/metrics":
                 self._send(200, self.counters.render(), b"text/plain", close=not req.keep_alive)
+            elif path == b"/last-request":  # what the gateway sent last (tests check forwarding)
+                self._send(200, self.counters.last_body, close=not req.keep_alive)
             elif path == b"/v1/models":
                 self._send(200, _encode({"object": "list", "data": [
                     {"id": self.settings.model, "object": "model", "owned_by": "fake"}]}),
@@ -140,7 +145,7 @@ class UpstreamProtocol(asyncio.Protocol):
         if path not in (b"/v1/chat/completions", b"/v1/completions"):
             self._send(404, b'{"error":{"message":"not found"}}', close=not req.keep_alive)
             return
-        raw = b"".join(req.body)
+        raw = self.counters.last_body = b"".join(req.body)
         try:
             body = _decode(raw)
         except msgspec.DecodeError:

@@ -1,22 +1,24 @@
 """The request path: validate → tier → route → forward (unary or streamed) → account.
 
-Bodies are decoded once into a dict for forwarding (unknown fields survive untouched) and converted
-to a typed request for validation. Streams are forwarded event by event as they arrive; only the
-final usage event is decoded and rewritten (cost, tier, weight version).
+Bodies are decoded once into a dict (unknown fields survive untouched) and converted to a typed
+request for validation; the client's bytes go upstream as they came unless a field must change
+(a `:fast` model suffix, a stream that did not ask for usage). Streams are forwarded event by event
+as they arrive; only the final usage event is decoded and rewritten (cost, tier, weight version).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from yarl import URL
 
 from serving.fleet import Fleet, Replica
 
@@ -48,6 +50,7 @@ class Proxy:
         self.accounting = accounting
         self.session: aiohttp.ClientSession | None = None
         self.streams = StreamLimiter(config.limits.streams_per_key)
+        self._urls: dict[str, URL] = {}
 
     async def start(self) -> None:
         limits = self.config.limits
@@ -60,6 +63,7 @@ class Proxy:
                 total=None, sock_connect=limits.upstream_connect_timeout_s,
                 sock_read=limits.upstream_read_timeout_s),
             auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar per request
         )
 
     async def close(self) -> None:
@@ -68,9 +72,9 @@ class Proxy:
 
     # -- request parsing -------------------------------------------------------------------------
 
-    async def read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request, headers: dict[bytes, bytes]) -> bytes:
         limit = self.config.limits.max_body_bytes
-        declared = request.headers.get("content-length")
+        declared = headers.get(b"content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
         chunks, size = [], 0
@@ -111,29 +115,35 @@ class Proxy:
 
     async def handle(self, kind: str, request: Request) -> Response:
         started = time.perf_counter()
-        body = await self.read_body(request)
+        # One pass over the raw header list (ASGI names are lower-case); Starlette's Headers
+        # would scan and decode the whole list again for every lookup.
+        headers = dict(request.scope["headers"])
+        body = await self.read_body(request, headers)
         raw, typed = self.parse(kind, body)
         model, tier = resolve_tier(typed.model, typed.service_tier)
         if model != self.fleet.config.model:
             raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
         ctx = RequestContext(
-            request_id=request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}",
+            request_id=_header(headers, b"x-request-id") or f"req-{os.urandom(16).hex()}",
             kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
-            session_id=request.headers.get("x-session-id") or typed.user or "",
+            session_id=_header(headers, b"x-session-id") or typed.user or "",
             key=getattr(request.state, "api_key", None),
             max_tokens=typed.output_limit, typed=typed,
         )
         await self.accounting.admit(ctx)
         ctx.route = self.routing.prepare(ctx, raw)
-        raw["model"] = model
         want_usage = bool(typed.stream_options and typed.stream_options.include_usage)
-        if typed.stream:
-            # Always ask the engine for usage: every streamed token is billed, even if the client
-            # did not ask to see the usage event.
-            options = raw.get("stream_options") or {}
-            options["include_usage"] = True
-            raw["stream_options"] = options
-        payload = _encode(raw)
+        if model == typed.model and (want_usage or not typed.stream):
+            payload = body  # nothing to change: forward the client's bytes as they came
+        else:
+            raw["model"] = model
+            if typed.stream:
+                # Always ask the engine for usage: every streamed token is billed, even if the
+                # client did not ask to see the usage event.
+                options = raw.get("stream_options") or {}
+                options["include_usage"] = True
+                raw["stream_options"] = options
+            payload = _encode(raw)
         try:
             if typed.stream:
                 owner = stream_owner(ctx.key, request.client.host if request.client else None)
@@ -166,7 +176,7 @@ class Proxy:
             self.routing.observe(ctx, decision)
             try:
                 resp = await self.session.post(
-                    replica.url + _PATHS[ctx.kind], data=payload,
+                    self._url(replica, ctx.kind), data=payload,
                     headers={"content-type": "application/json", "x-request-id": ctx.request_id})
                 return replica, resp
             except _RETRYABLE as exc:
@@ -183,6 +193,14 @@ class Proxy:
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
         raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
+
+    def _url(self, replica: Replica, kind: str) -> URL:
+        """The parsed upstream URL, parsed once (aiohttp parses a str URL on every request)."""
+        text = replica.url + _PATHS[kind]
+        url = self._urls.get(text)
+        if url is None:
+            url = self._urls[text] = URL(text)
+        return url
 
     async def _unary(self, ctx: RequestContext, typed: Any, payload: bytes) -> Response:
         failed: set[str] = set()  # replicas that failed this request, avoided by the next try
@@ -336,6 +354,11 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._end("aborted", None)
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str:
+    value = headers.get(name)
+    return value.decode("latin-1") if value else ""
 
 
 def _upstream_error(status: int, data: bytes) -> Response:

@@ -9,6 +9,7 @@ generous "arrivals are spread out" check.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -106,6 +107,36 @@ async def test_stream_is_relayed_chunk_by_chunk(hot_gateway):
     assert spread_ms >= (TOKENS - 1) * ITL_MS / 3, spread_ms
     distinct = {round(t * 1000 / (ITL_MS / 2)) for t in arrivals}
     assert len(distinct) >= TOKENS // 2
+
+
+def _last_request(url: str) -> bytes:
+    with urllib.request.urlopen(url + "/last-request", timeout=5) as r:
+        return r.read()
+
+
+async def test_request_bytes_are_forwarded_unless_a_field_must_change(hot_gateway, fake_upstream):
+    url = hot_gateway.url + "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    # Key order, spacing and fields the gateway does not know reach the engine byte for byte.
+    unary = (b'{"messages": [{"role": "user", "content": "hi"}],  "model": "demo", "max_tokens": 2,'
+             b' "top_k": 5, "vendor_x": {"a": [1, 2.50]}}')
+    usage_stream = (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,'
+                    b' "stream": true, "stream_options": {"include_usage": true}, "top_k": 5}')
+    bare_stream = b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": true, "top_k": 5}'
+    async with aiohttp.ClientSession() as s:
+        for raw in (unary, usage_stream):
+            async with s.post(url, data=raw, headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            assert _last_request(fake_upstream) == raw
+        # A stream that did not ask for usage: the engine is asked for it (every token is billed),
+        # the client still does not get it.
+        async with s.post(url, data=bare_stream, headers=headers) as resp:
+            assert resp.status == 200
+            relayed = await resp.read()
+    sent = json.loads(_last_request(fake_upstream))
+    assert sent["stream_options"] == {"include_usage": True} and sent["top_k"] == 5
+    assert b'"usage"' not in relayed and relayed.endswith(b"data: [DONE]\n\n")
 
 
 async def test_upstream_connections_are_reused(hot_gateway, fake_upstream):
