@@ -306,7 +306,8 @@ class Accounting:
         yg- secrets are always checked (a typo'd or revoked key fails loudly instead of running
         unbudgeted). Other bearer tokens are ignored in open mode (OpenAI clients always send
         one), so anonymous requests never cost a Redis round trip."""
-        header = request.headers.get("authorization", "")
+        raw = dict(request.scope["headers"]).get(b"authorization")
+        header = raw.decode("latin-1") if raw else ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
         if token and self.is_admin_token(token):
             raise AuthenticationError("The admin token is not an API key.")
@@ -374,7 +375,7 @@ class Accounting:
             rc = self._request_children[(ctx.kind, ctx.tier, status)] = (
                 m.requests.labels(ctx.kind, ctx.tier, status), m.latency.labels(ctx.tier),
                 m.ttft.labels(ctx.tier))
-        rc[0].inc()
+        self.metrics.batch.inc(rc[0])
         rc[1].observe(latency)
         if ctx.ttft is not None:
             rc[2].observe(ctx.ttft)
@@ -417,19 +418,20 @@ class Accounting:
         c = self._children.get(labels)
         if c is None:
             c = self._children[labels] = _Children.bind(self.metrics, *labels)
-        c.prompt.inc(priced.prompt_tokens)
-        c.cached.inc(priced.cached_tokens)
-        c.uncached.inc(priced.uncached_tokens)
-        c.completion.inc(priced.completion_tokens)
-        c.cost_uncached.inc(float(cost.uncached_input))
-        c.cost_cached.inc(float(cost.cached_input))
-        c.cost_output.inc(float(cost.output))
+        inc = self.metrics.batch.inc
+        inc(c.prompt, priced.prompt_tokens)
+        inc(c.cached, priced.cached_tokens)
+        inc(c.uncached, priced.uncached_tokens)
+        inc(c.completion, priced.completion_tokens)
+        inc(c.cost_uncached, cost.uncached_input)  # Decimal sums: exact until the scrape
+        inc(c.cost_cached, cost.cached_input)
+        inc(c.cost_output, cost.output)
         if estimated:
             m = self.metrics
             m.aborted_estimated_tokens.labels("prompt", ctx.tier).inc(priced.prompt_tokens)
             m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
         else:
-            c.predicted_cached.inc(ctx.predicted_cached_tokens)
+            inc(c.predicted_cached, ctx.predicted_cached_tokens)
             c.prediction_error.observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)

@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class CounterBatch:
+    """Counter increments gathered on the request path and applied to Prometheus at scrape time:
+    a dict update costs a fraction of prometheus_client's locked inc(), and a dozen counters move
+    per request."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: dict[Any, Any] = {}
+
+    def inc(self, child: Any, amount: Any = 1) -> None:
+        """Add `amount` (int, float or Decimal) to a labelled Counter child."""
+        pending = self._pending
+        pending[child] = pending.get(child, 0) + amount
+
+    def apply(self) -> None:
+        pending, self._pending = self._pending, {}
+        for child, amount in pending.items():
+            child.inc(float(amount))
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
+        self.batch = CounterBatch()
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "yieldgate_requests", "Requests by endpoint, tier and HTTP status",
@@ -82,4 +104,5 @@ class GatewayMetrics:
     def render(self) -> bytes:
         for refresh in self._refresh:
             refresh()
+        self.batch.apply()
         return generate_latest(self.registry)
