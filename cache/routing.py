@@ -61,6 +61,7 @@ class RouterConfig(msgspec.Struct, frozen=True):
     share_factor: float = 1.15
     share_keep_blocks: int = 16
     share_slack: float = 4.0
+    pending_weight: float = 0.5
 
 
 class RouteDecision(msgspec.Struct):
@@ -69,6 +70,7 @@ class RouteDecision(msgspec.Struct):
     block_hashes: list[BlockHash]
     policy: str
     scores: dict[str, float] = {}
+    pending_blocks: int = 0  # prefill this request adds to its replica until release()
 
 
 class Policy:
@@ -108,7 +110,7 @@ def build_policy(name: str, config: RouterConfig = RouterConfig()) -> Policy:
         return Policy(
             name,
             [HotspotFilter(config.spill_factor, config.spill_slack), ShareFilter(config.share_factor, config.share_keep_blocks, config.share_slack)],
-            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks), 1.0)],
+            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks, config.pending_weight), 1.0)],
             MaxScorePicker(),
             needs_tokens=True,
         )
@@ -132,6 +134,8 @@ class Router:
         self.block_size = self.hasher.block_size
         self._known_capacity: dict[str, int] = {}
         self.recent = RecentPicks()
+        # Blocks of prefill routed to each replica whose first token has not come back yet.
+        self.pending: dict[str, float] = {}
 
     @property
     def needs_tokens(self) -> bool:
@@ -153,11 +157,28 @@ class Router:
                     matches = self.index.match(hashes)
         ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
                            matches=matches, loads={c.name: load_of(c) for c in candidates},
-                           recent=self.recent.snapshot([c.name for c in candidates]))
+                           recent=self.recent.snapshot([c.name for c in candidates]),
+                           pending={c.name: self._pending(c) for c in candidates})
         chosen, scores = self.policy.choose(ctx, candidates)
         self.recent.add(chosen.name, len(candidates))
+        pending = len(hashes) + 1 - matches.get(chosen.name, 0) if hashes else 0
+        if pending:
+            self.pending[chosen.name] = self.pending.get(chosen.name, 0.0) + pending
         return RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
-                             block_hashes=hashes, policy=self.policy.name, scores=scores)
+                             block_hashes=hashes, policy=self.policy.name, scores=scores, pending_blocks=pending)
+
+    def _pending(self, c: Candidate) -> float:
+        if c.inflight <= 0 and self.pending.get(c.name):
+            self.pending[c.name] = 0.0  # nothing in flight there: nothing can be pending (self-healing)
+        return self.pending.get(c.name, 0.0)
+
+    def release(self, decision: RouteDecision) -> None:
+        """The decision's prefill is done (first token back) or the request ended: its blocks
+        stop counting as work queued on the replica. Idempotent."""
+        if decision.pending_blocks:
+            name = decision.replica.name
+            self.pending[name] = max(0.0, self.pending.get(name, 0.0) - decision.pending_blocks)
+            decision.pending_blocks = 0
 
     def observe(self, decision: RouteDecision) -> None:
         """Record that the decision's blocks now live (approximately) on its replica."""

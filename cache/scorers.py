@@ -49,6 +49,7 @@ class RouteContext(msgspec.Struct):
     matches: dict[str, int]  # replica -> cached leading blocks (from the prefix index)
     loads: dict[str, float]
     recent: dict[str, float] = {}  # replica -> decayed count of this router's recent picks
+    pending: dict[str, float] = {}  # replica -> prefill blocks routed there, first token not back yet
 
 
 class RecentPicks:
@@ -158,15 +159,21 @@ class KVCostScorer:
     """NVIDIA Dynamo's KV-router cost, negated so that higher is better:
 
         cost = overlap_weight * prefill_blocks + queued_request_blocks * load
+               + pending_weight * pending_blocks
 
     ``prefill_blocks`` = the request's blocks not cached on the replica (the work
     a prefix hit saves); ``load`` = requests running + waiting there, each
-    counted as ``queued_request_blocks`` blocks of prefill/decode work ahead.
+    counted as ``queued_request_blocks`` blocks of decode work ahead;
+    ``pending_blocks`` = prefill this router sent there whose first token has not
+    come back: a new request waits for what is left of it, on average about half
+    (pending_weight 0.5), so two requests with one hot prefix arriving together split.
     """
 
-    def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 4.0) -> None:
+    def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 4.0,
+                 pending_weight: float = 0.5) -> None:
         self.overlap_weight = overlap_weight
         self.queued_request_blocks = queued_request_blocks
+        self.pending_weight = pending_weight
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
         # Partial last block is always computed: count it so short prompts still weigh load.
@@ -174,7 +181,8 @@ class KVCostScorer:
         out = {}
         for c in candidates:
             prefill = total - ctx.matches.get(c.name, 0)
-            out[c.name] = -(self.overlap_weight * prefill + self.queued_request_blocks * ctx.loads[c.name])
+            out[c.name] = -(self.overlap_weight * prefill + self.queued_request_blocks * ctx.loads[c.name]
+                            + self.pending_weight * ctx.pending.get(c.name, 0.0))
         return out
 
 

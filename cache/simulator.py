@@ -116,7 +116,7 @@ class PolicyResult(msgspec.Struct, kw_only=True):
 class SimRequest:
     __slots__ = ("id", "session", "turn", "tokens", "hashes", "n_prompt", "n_out", "arrival", "replica",
                  "cached_blocks", "pinned", "anon_blocks", "first_token", "finish", "remaining", "done_cb",
-                 "predicted", "oracle_blocks")
+                 "predicted", "oracle_blocks", "on_first_token")
 
     def __init__(self, rid: int, session: str, turn: int, tokens: list[int], hashes: list[BlockHash],
                  n_out: int, arrival: float) -> None:
@@ -138,6 +138,7 @@ class SimRequest:
         self.done_cb: Callable[[SimRequest, float], None] | None = None
         self.predicted = 0
         self.oracle_blocks = 0
+        self.on_first_token: Callable[[], None] | None = None
 
 
 class KVCache:
@@ -319,6 +320,8 @@ class SimReplica:
         for r in admitted:
             r.first_token = now
             r.remaining -= 1
+            if r.on_first_token is not None:
+                r.on_first_token()
             self.running.append(r)
         still: list[SimRequest] = []
         for r in self.running:
@@ -467,6 +470,8 @@ class FleetSimulator:
         else:
             self.router.observe(decision)
         req.done_cb = lambda r, now: (self.done.append(r), on_done(r, now))
+        # The gateway releases a request's pending prefill when its first token arrives.
+        req.on_first_token = lambda: self.router.release(decision)
         decision.replica.submit(req)
 
     # -- results -----------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class RequestContext:
     typed: Any = None                       # the validated request (prompt size estimates)
     prompt_tokens: list[int] | None = None  # set by routing when it tokenized the prompt
     route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
+    decision: Any = None  # cache.RouteDecision of the current try (released by gateway.routing)
     replica: Replica | None = None
     predicted_cached_tokens: int = 0
     ttft: float | None = None

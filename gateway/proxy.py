@@ -170,6 +170,7 @@ class Proxy:
             decision = self.routing.pick(ctx, ctx.route, candidates)
             replica = decision.replica
             ctx.bind(replica, decision.predicted_cached_tokens)
+            ctx.decision = decision
             replica.inflight += 1
             # Record the placement now, not when the engine answers: requests routed meanwhile
             # should already see this prefix on this replica.
@@ -181,6 +182,7 @@ class Proxy:
                 return replica, resp
             except _RETRYABLE as exc:
                 replica.inflight -= 1
+                self.routing.release(ctx)
                 last_exc = exc
                 failed.add(replica.name)
                 if isinstance(exc, aiohttp.ClientConnectorError):
@@ -215,6 +217,7 @@ class Proxy:
                     raise UpstreamError("Upstream replica failed while answering.") from None
             finally:
                 replica.inflight -= 1
+                self.routing.release(ctx)
                 resp.release()
         ctx.first_byte()
         if resp.status != 200:
@@ -244,6 +247,7 @@ class Proxy:
                 data = await resp.read()
             finally:
                 replica.inflight -= 1
+                self.routing.release(ctx)
                 resp.release()
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return _upstream_error(resp.status, data)
@@ -258,6 +262,7 @@ class Proxy:
             ended = True
             lease.release()
             replica.inflight -= 1
+            self.routing.release(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
             if not ctx.finished:
                 self.accounting.finish(ctx, usage, status)
@@ -277,6 +282,7 @@ class Proxy:
             async for data in resp.content.iter_any():
                 if ctx.ttft is None:
                     ctx.first_byte()
+                    self.routing.release(ctx)
                 block = splitter.feed(data)
                 if not block:
                     continue

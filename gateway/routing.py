@@ -52,7 +52,7 @@ class Routing:
                               queued_request_blocks=tier.queued_request_blocks,
                               spill_factor=tier.spill_factor, spill_slack=tier.spill_slack,
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
-                              share_keep_blocks=tier.share_keep_blocks)
+                              share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight)
         return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
@@ -121,6 +121,13 @@ class Routing:
         router = self.routers.get(ctx.tier)
         if router is not None and decision.block_hashes:
             router.observe(decision)
+
+    def release(self, ctx: RequestContext) -> None:
+        """The request's prefill is over (first byte back, or it ended): its blocks stop counting
+        as work queued on its replica. Safe to call more than once."""
+        decision, router = ctx.decision, self.routers.get(ctx.tier)
+        if decision is not None and router is not None:
+            router.release(decision)
 
     def stats(self) -> dict[str, Any]:
         s = self.index.stats()

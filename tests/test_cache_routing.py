@@ -37,6 +37,7 @@ def test_prefix_routed_twice_lands_on_same_replica() -> None:
     for prefix in range(6):
         first = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 1)), fleet)
         router.observe(first)
+        router.release(first)  # its first token is back
         second = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 2)), fleet)
         assert second.replica.name == first.replica.name
         assert second.predicted_cached_tokens == 8 * 32
@@ -45,7 +46,9 @@ def test_prefix_routed_twice_lands_on_same_replica() -> None:
 def test_cache_aware_spills_hot_prefix_from_loaded_replica() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)
     a, b = Replica("a"), Replica("b")
-    router.observe(router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b]))
+    first = router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b])
+    router.observe(first)
+    router.release(first)
     home = router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b]).replica.name
     other = "b" if home == "a" else "a"
     loaded = {home: Replica(home, inflight=12, num_running=12), other: Replica(other)}
@@ -54,6 +57,38 @@ def test_cache_aware_spills_hot_prefix_from_loaded_replica() -> None:
     # A mildly busier cache holder still wins: 8 cached blocks outweigh one queued request.
     loaded[home] = Replica(home, inflight=1)
     assert router.pick(RouteRequest(token_ids=tokens(1, 8)), list(loaded.values())).replica.name == home
+
+
+def test_requests_arriving_together_split_while_the_first_prefill_is_pending() -> None:
+    router = Router("cache_aware", PrefixIndex(), block_size=32)
+    fleet = [Replica("a"), Replica("b")]
+    by_name = {r.name: r for r in fleet}
+    warm = router.pick(RouteRequest(token_ids=tokens(3, 8, 0)), fleet)
+    router.observe(warm)
+    router.release(warm)
+    home = warm.replica.name
+    # A long new request on the prefix's home: its 30 blocks of prefill are queued there...
+    long_one = router.pick(RouteRequest(token_ids=tokens(3, 8, 0) + tokens(4, 30)), fleet)
+    router.observe(long_one)
+    by_name[home].inflight = 1
+    assert long_one.replica.name == home and long_one.pending_blocks == 31
+    # ...so a short request for the same prefix arriving meanwhile is cheaper on the idle replica.
+    assert router.pick(RouteRequest(token_ids=tokens(3, 8, 1)), fleet).replica.name != home
+    router.release(long_one)
+    router.release(long_one)  # idempotent
+    assert router.pending[home] == 0
+    by_name[home].inflight = 0
+    assert router.pick(RouteRequest(token_ids=tokens(3, 8, 2)), fleet).replica.name == home
+
+
+def test_pending_prefill_heals_when_nothing_is_in_flight() -> None:
+    router = Router("cache_aware", PrefixIndex(), block_size=32)
+    fleet = [Replica("a"), Replica("b")]
+    d = router.pick(RouteRequest(token_ids=tokens(1, 10)), fleet)
+    assert router.pending[d.replica.name] == 11  # a caller that never released...
+    e = router.pick(RouteRequest(token_ids=tokens(2, 1)), fleet)
+    # ...cannot leave phantom work on an idle replica: only the newest pick's blocks remain.
+    assert router.pending[d.replica.name] == (e.pending_blocks if e.replica.name == d.replica.name else 0)
 
 
 def test_hot_prefix_spreads_instead_of_piling_up() -> None:
@@ -78,6 +113,7 @@ def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], session
             context = context + tokens(1000 + s * 10 + turn, 8)[: 8 * 32]
             d = router.pick(RouteRequest(token_ids=context + [7] * 5), fleet)
             router.observe(d)
+            router.release(d)  # sequential: each turn is answered before the next arrives
             counts[d.replica.name] += 1
     return counts
 
@@ -100,6 +136,7 @@ def test_share_guard_keeps_long_cached_contexts_home() -> None:
     long_context = tokens(5, 40)
     home = router.pick(RouteRequest(token_ids=long_context), fleet)
     router.observe(home)
+    router.release(home)
     for i in range(30):  # the home replica is far past its share of picks...
         router.recent.add(home.replica.name, 2)
     # ...but 40 cached blocks (>= share_keep_blocks more than elsewhere) keep the turn there.
