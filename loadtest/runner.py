@@ -311,8 +311,10 @@ class Runner:
             rec.completion_tokens = len(times)
             rec.prompt_tokens = est
         n_out = rec.completion_tokens
-        if n_out > 1 and rec.ttft_ms is not None and self.target.stream:
-            rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (n_out - 1)
+        if n_out > 1 and out.first_token is not None and self.target.stream and times:
+            # First to last token, as vllm bench serve and GuideLLM define it: the usage chunk,
+            # [DONE] and connection close after the last token are E2E time, not decode time.
+            rec.tpot_ms = (times[-1] - out.first_token) * 1000.0 / (n_out - 1)
         cost = out.cost
         if cost is not None:
             rec.cost, rec.cost_source = cost, "response"

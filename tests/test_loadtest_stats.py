@@ -349,3 +349,20 @@ def test_non_stream_body_cost_as_number():
         b'{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,'
         b'"cost":0.5}}', out)
     assert out.text == "hi" and out.cost == 0.5 and out.error is None
+
+
+def test_tpot_runs_from_first_to_last_token_not_to_the_end_of_the_stream():
+    # vllm bench serve's definition: the usage chunk and [DONE] after the last token are E2E only.
+    from loadtest import RandomLengthWorkload, Target
+    from loadtest.client import Outcome, _Usage
+    from loadtest.runner import Runner, _Phase
+    from loadtest.workload import Session
+
+    runner = Runner(Target(base_url="http://127.0.0.1:9", model="m", stream=True),
+                    RandomLengthWorkload(input_tokens=8, output_tokens=5))
+    out = Outcome(start=10.0, end=11.0, first_token=10.1, token_times=[10.1, 10.2, 10.3, 10.4, 10.5],
+                  status=200, usage=_Usage(prompt_tokens=8, completion_tokens=5))
+    rec = runner._record(_Phase(None, None, 0, 10.0), Session(id="s", turns=[]), 0, (0, False), 10.0, 8, out)
+    assert rec.ttft_ms == pytest.approx(100.0)
+    assert rec.e2e_ms == pytest.approx(1000.0)
+    assert rec.tpot_ms == pytest.approx(100.0)  # (10.5 - 10.1) / 4, not (1.0 - 0.1) / 4
