@@ -298,6 +298,8 @@ def load_worker(spec_path: str, out_path: str) -> None:
     target = msgspec.convert(spec["target"], Target)
     pids: list[int] = spec.get("pids", [])
 
+    import asyncio
+
     async def main() -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         runners: dict[str, Runner] = {}
@@ -308,7 +310,12 @@ def load_worker(spec_path: str, out_path: str) -> None:
                 group = ph.get("sweep")
                 if group and group in failed_groups:
                     continue
-                wkey = json.dumps(ph["workload"], sort_keys=True)
+                # A sweep gets a connection pool of its own, after a pause: connections left idle by
+                # an overloaded fixed-rate phase get closed by the server's keep-alive timeout
+                # while the client still holds them, and reusing one fails the first sweep step.
+                wkey = json.dumps(ph["workload"], sort_keys=True) + (group or "")
+                if group and wkey not in runners:
+                    await asyncio.sleep(SWEEP_SETTLE_S)
                 if wkey not in runners:
                     runners[wkey] = Runner(target, msgspec.convert(ph["workload"], SharedPrefixWorkload),
                                            seed=0, timeout_s=60)
@@ -356,7 +363,6 @@ def load_worker(spec_path: str, out_path: str) -> None:
         import uvloop  # the load generator's own overhead matters at 1k+ RPS
         result = uvloop.run(main())
     except ImportError:  # pragma: no cover
-        import asyncio
         result = asyncio.run(main())
     Path(out_path).write_text(json.dumps(result))
 
@@ -536,7 +542,9 @@ def markdown(results: dict[str, Any]) -> str:
              + " (2 cores; the machine is shared with other engineers, whose runs take the same lock)."
              + (" LiteLLM was measured in a second run against the same upstream settings, "
                 f"{(results['litellm_separate_run_at'] - results['started_at']) / 60:.0f} min after the first."
-                if results.get("litellm_separate_run_at") else ""), "",
+                if results.get("litellm_separate_run_at") else "")
+             + (" yieldgate's rate sweep was run again then too, with the same procedure as LiteLLM's."
+                if results.get("yieldgate_sweep_rerun") else ""), "",
              "## Added latency over direct (ms), open-loop Poisson", "",
              "| target | rate | p50 | p99 | added p50 | added p99 | errors | gateway CPU µs/req |",
              "|---|---|---|---|---|---|---|---|"]
@@ -628,6 +636,7 @@ MODES = {
     "smoke": {"fixed_s": 1.0, "sweep_s": 1.0, "itl_requests": 50, "streams_requests": 300,
               "rss_requests": (500, 1000)},
 }
+SWEEP_SETTLE_S = 10.0  # pause before a rate sweep, so the previous phase's backlog drains
 SWEEP = [250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000]
 SWEEP_SLOW = [50, 100, 150, 200, 300, 400, 500, 750, 1000]
 
@@ -688,6 +697,20 @@ def main() -> None:
                     results["variants"][variant] = {r["name"]: r for r in rows}
                 finally:
                     g.close()
+        if a.litellm_only:
+            # The sweep again with this harness (fresh client pool after a pause), so both
+            # gateways' max RPS come from the same procedure.
+            cleanup_redis()
+            yg = Yieldgate(up_url, workdir, "full")
+            try:
+                print("== yieldgate sweep (again)", flush=True)
+                phases = [ph for ph in plan(mode, SWEEP, streams=False) if ph["name"] == "warmup" or ph.get("sweep")]
+                rows = run_phases(target(yg.url, yg.api_key), phases, yg.pids, workdir)
+                kept = {k: v for k, v in results["targets"]["yieldgate"].items() if not k.startswith("sweep_")}
+                results["targets"]["yieldgate"] = kept | {r["name"]: r for r in rows if r["name"] != "warmup"}
+                results["yieldgate_sweep_rerun"] = True
+            finally:
+                yg.close()
         if not a.skip_litellm:
             ll = LiteLLM(up_url, workdir)
             results["litellm_version"] = ll.version
