@@ -30,7 +30,7 @@ from loadtest import (
 )
 
 RESULTS = Path(__file__).parent / "results"
-SPEC_TOKENS = 4  # num_speculative_tokens of the demo fast tier (serving/config.py)
+SPEC_TOKENS = 8  # num_speculative_tokens of the demo fast tier (serving/config.py)
 
 
 def needed_for_2x(row: dict, k: int) -> dict:
