@@ -263,7 +263,16 @@ def plot(real: list[dict], sim: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(21, 5))
+    fig, axes = plt.subplots(1, 5, figsize=(26, 5))
+    ax = axes[4]
+    extra = sorted({r["policy"] for r in real} - set(POLICIES))
+    for policy in [p for p in POLICIES + extra if any(r["policy"] == p for r in real)]:
+        pts = sorted((r["concurrency"], r["ttft_p90_ms"]) for r in real if r["policy"] == policy)
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    ax.set_xlabel("closed-loop concurrency")
+    ax.set_title("2 demo engines (real): TTFT p90 (ms)")
+    if real:
+        ax.legend(fontsize=7)
     ax = axes[0]
     if real:
         loads = sorted({r["concurrency"] for r in real})
