@@ -22,7 +22,10 @@ Policies (``Router(policy_name, ...)``), each a pipeline of cache.scorers parts:
   blocks over the best replica within its share. In-flight load is ~0 on a quiet fleet,
   so without this a prefix every session shares (one agent system prompt) pulls all new
   sessions to the first replica that cached it; long cached contexts still stay home.
-  Ties (e.g. a new prefix on an idle fleet) go to the least recently picked replica.
+  A soft share term adds ``share_weight`` blocks per unit of share above the mean to the
+  cost, so a one-block common header (a date line, a salt) no longer pulls every new prefix
+  to the same replica on a fleet where nothing queues. Ties (e.g. a new prefix on an idle
+  fleet) go to the least recently picked replica.
 
 Only ``cache_aware`` needs token ids (``policy.needs_tokens``): the gateway
 tokenizes only when it is True.
@@ -62,6 +65,7 @@ class RouterConfig(msgspec.Struct, frozen=True):
     share_keep_blocks: int = 16
     share_slack: float = 4.0
     pending_weight: float = 0.5
+    share_weight: float = 4.0
 
 
 class RouteDecision(msgspec.Struct):
@@ -110,7 +114,8 @@ def build_policy(name: str, config: RouterConfig = RouterConfig()) -> Policy:
         return Policy(
             name,
             [HotspotFilter(config.spill_factor, config.spill_slack), ShareFilter(config.share_factor, config.share_keep_blocks, config.share_slack)],
-            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks, config.pending_weight), 1.0)],
+            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks, config.pending_weight,
+                          config.share_weight), 1.0)],
             MaxScorePicker(),
             needs_tokens=True,
         )

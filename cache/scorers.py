@@ -167,22 +167,29 @@ class KVCostScorer:
     ``pending_blocks`` = prefill this router sent there whose first token has not
     come back: a new request waits for what is left of it, on average about half
     (pending_weight 0.5), so two requests with one hot prefix arriving together split.
+    ``share_weight * max(0, recent_picks - mean) / max(mean, 1)`` is added too: a replica
+    already taking more than its share needs a real saving, not a one-block header, to win.
     """
 
     def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 4.0,
-                 pending_weight: float = 0.5) -> None:
+                 pending_weight: float = 0.5, share_weight: float = 4.0) -> None:
         self.overlap_weight = overlap_weight
         self.queued_request_blocks = queued_request_blocks
         self.pending_weight = pending_weight
+        self.share_weight = share_weight
+        self.share_floor = 1.0  # picks: below one pick per replica, shares are noise
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
         # Partial last block is always computed: count it so short prompts still weigh load.
         total = len(ctx.block_hashes) + 1
         out = {}
+        mean = sum(ctx.recent.values()) / len(ctx.recent) if ctx.recent and self.share_weight else 0.0
         for c in candidates:
             prefill = total - ctx.matches.get(c.name, 0)
             out[c.name] = -(self.overlap_weight * prefill + self.queued_request_blocks * ctx.loads[c.name]
-                            + self.pending_weight * ctx.pending.get(c.name, 0.0))
+                            + self.pending_weight * ctx.pending.get(c.name, 0.0)
+                            + (self.share_weight * max(0.0, ctx.recent.get(c.name, 0.0) - mean)
+                               / max(mean, self.share_floor) if mean > 0 else 0.0))
         return out
 
 

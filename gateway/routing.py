@@ -52,7 +52,8 @@ class Routing:
                               queued_request_blocks=tier.queued_request_blocks,
                               spill_factor=tier.spill_factor, spill_slack=tier.spill_slack,
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
-                              share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight)
+                              share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight,
+                              share_weight=tier.share_weight)
         return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:

@@ -72,6 +72,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     share_keep_blocks: int = 16
     # Prefill routed to a replica whose first token is not back yet counts this much per block.
     pending_weight: float = 0.5
+    # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
+    share_weight: float = 4.0
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):

@@ -124,10 +124,27 @@ def test_shared_system_prompt_spreads_sessions_on_a_quiet_fleet() -> None:
     fleet = [Replica(n) for n in "abcd"]
     guarded = _shared_system_prompt_sessions(Router("cache_aware", PrefixIndex()), fleet, 40)
     unguarded = _shared_system_prompt_sessions(
-        Router("cache_aware", PrefixIndex(), config=RouterConfig(share_factor=0)), fleet, 40)
+        Router("cache_aware", PrefixIndex(), config=RouterConfig(share_factor=0, share_weight=0)), fleet, 40)
     # Without the share guard the 8 shared blocks pull every new session to one replica.
     assert max(unguarded.values()) == 120
     assert max(guarded.values()) <= 1.25 * 120 / 4, guarded
+
+
+def test_one_common_header_block_does_not_outweigh_a_replicas_excess_share() -> None:
+    from cache.scorers import KVCostScorer, RouteContext
+
+    # Nothing in flight; "a" holds a one-block common header (a date line, a cache salt) and
+    # has taken twice the mean of recent picks, "b" holds nothing.
+    ctx = RouteContext(request=RouteRequest(), block_hashes=list(range(20)), block_size=32,
+                       matches={"a": 1}, loads={"a": 0.0, "b": 0.0}, recent={"a": 40.0, "b": 0.0})
+    fleet = [Replica("a"), Replica("b")]
+    plain = KVCostScorer(share_weight=0).score(ctx, fleet)
+    assert plain["a"] > plain["b"]  # the header block alone wins without the share term
+    shared = KVCostScorer().score(ctx, fleet)
+    assert shared["b"] > shared["a"]
+    # A long cached context still wins over the share term.
+    deep = msgspec.structs.replace(ctx, matches={"a": 18})
+    assert KVCostScorer().score(deep, fleet)["a"] > KVCostScorer().score(deep, fleet)["b"]
 
 
 def test_share_guard_keeps_long_cached_contexts_home() -> None:
