@@ -19,10 +19,10 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def fleet_config(stack, standard: list[str], fast: list[str]) -> Config:
+def fleet_config(stack, standard: list[str], fast: list[str], health_interval_s: float = 0.5) -> Config:
     replicas = [ReplicaConfig(name=f"std-{i}", tier="standard", url=u) for i, u in enumerate(standard)]
     replicas += [ReplicaConfig(name=f"fast-{i}", tier="fast", url=u) for i, u in enumerate(fast)]
-    return Config(fleet=FleetConfig(model=stack.model, replicas=replicas, health_interval_s=0.5))
+    return Config(fleet=FleetConfig(model=stack.model, replicas=replicas, health_interval_s=health_interval_s))
 
 
 def test_tier_without_healthy_replica_is_503(stack, gateway_factory):
@@ -37,8 +37,9 @@ def test_tier_without_healthy_replica_is_503(stack, gateway_factory):
 
 
 def test_request_to_a_dead_replica_is_retried_on_another(stack, gateway_factory):
-    # Both replicas look healthy at first: the dead one is only found out by a request.
-    gw = gateway_factory(fleet_config(stack, [dead_url(), stack.engines["standard"]], []))
+    # Both replicas look healthy at first: the dead one is only found out by a request. No health
+    # probe after start-up (it would find the dead replica first, racing the requests below).
+    gw = gateway_factory(fleet_config(stack, [dead_url(), stack.engines["standard"]], [], health_interval_s=300))
     for r in gw.gateway.fleet.replicas.values():
         r.healthy = True
     results = [httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
