@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
+from gateway.embedded import stop_process_group
 from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 from serving.demo_model import ensure_demo_model
 from trainer_bridge import push
@@ -84,12 +84,7 @@ demo_base_port = {port + 101}
             time.sleep(2)
         yield url, token
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
         log.close()
 
 

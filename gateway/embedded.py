@@ -9,6 +9,8 @@ multi-gateway tests and for benchmarks whose load generator must not share a GIL
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,7 +74,7 @@ class GatewayProcess:
                                             stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout_s
-        while _status(self.url + "/healthz") != 200:
+        while http_status(self.url + "/healthz") != 200:
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"gateway process did not start:\n{self.log_path.read_text()[-3000:]}")
@@ -88,7 +90,8 @@ class GatewayProcess:
                 self.process.wait(10)
 
 
-def _status(url: str, timeout: float = 2.0) -> int:
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """GET `url` and return its status; 0 when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status
@@ -96,3 +99,14 @@ def _status(url: str, timeout: float = 2.0) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+def stop_process_group(proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    """SIGTERM a child started with `start_new_session=True` (e.g. `yieldgate up` and its engines),
+    SIGKILL its group if it has not exited after `timeout_s`."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

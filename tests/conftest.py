@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from gateway.embedded import EmbeddedGateway as InProcessGateway
+from gateway.embedded import GatewayProcess, http_status, stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 # YIELDGATE_TEST_PORT_BASE moves every port of the test stack (two suites on one machine).
@@ -41,16 +42,6 @@ class Stack:
     @property
     def base_url(self) -> str:
         return self.gateway_url + "/v1"
-
-
-def _get(url: str, timeout: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def stack_config(admin_token: str, redis_url: str) -> str:
@@ -106,7 +97,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     )
     gateway_url = f"http://127.0.0.1:{GATEWAY_PORT}"
     started = time.monotonic()
-    while _get(gateway_url + "/healthz") != 200:
+    while http_status(gateway_url + "/healthz") != 200:
         if proc.poll() is not None:
             pytest.fail(f"yieldgate up exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         if time.monotonic() - started > STARTUP_TIMEOUT_S:
@@ -126,12 +117,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     try:
         yield stack
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
         log.close()
 
 
@@ -152,7 +138,6 @@ def async_client(stack):
 
 
 # A second gateway (uvicorn in a thread) with its own config, for fault and multi-gateway tests.
-from gateway.embedded import EmbeddedGateway as InProcessGateway, GatewayProcess  # noqa: E402
 
 
 @pytest.fixture
