@@ -5,8 +5,8 @@
     python benchmarks/routing.py --quick         # fewer requests (smoke run)
 
 (a) real: for each load and policy, a fresh gateway process whose `standard` tier has BOTH demo
-engines as replicas (8101 with KV events on tcp://127.0.0.1:5557; 8102 without, so the index learns
-it approximately), driven by the project's load tester (`loadtest.run_load`) with a fresh cache salt
+engines as replicas (8101 with the KV events `yieldgate up` publishes on its IPC socket; 8102 without,
+so the index learns it approximately), driven by the project's load tester (`loadtest.run_load`) with a fresh cache salt
 per run. The same workload, salt and closed-loop concurrency go through the simulator with two
 replicas (second one without KV events): that is the calibration (predicted vs measured cached
 tokens). The oracle for a real run is the simulator's oracle on the same salted workload (the real
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cache.routing import RouterConfig  # noqa: E402
+from serving.config import kv_events_ipc  # noqa: E402
 from cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
                              default_tokenizer, run_simulation)
 from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad,  # noqa: E402
@@ -340,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--standard", default="http://127.0.0.1:8101")
-    ap.add_argument("--standard-kv", default="tcp://127.0.0.1:5557")
+    # `yieldgate up` launches the demo engines with KV events on an IPC socket under YIELDGATE_HOME.
+    ap.add_argument("--standard-kv", default=kv_events_ipc("standard-0"))
     ap.add_argument("--fast", default="http://127.0.0.1:8102")
     ap.add_argument("--fast-kv", default="")
     ap.add_argument("--loads", default="1,2,4,6", help="real closed-loop concurrencies")
