@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cache import PrefixIndex
@@ -91,3 +93,23 @@ def test_engine_events_keep_the_prefix_index_in_step_with_evictions(prompts):
     for replica in fleet.replicas:
         engine_blocks = set(replica.cache.pinned) | set(replica.cache.free)
         assert set(index.blocks(replica.name)) <= engine_blocks  # nothing the engine evicted
+
+
+def test_routing_benchmark_p90_comparison_has_an_interval():
+    """benchmarks/routing.py compares TTFT p90s as a difference with a bootstrap interval."""
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location(
+        "routing_bench", Path(__file__).resolve().parent.parent / "benchmarks" / "routing.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = random.Random(1)
+    fast = [rng.gauss(100, 10) for _ in range(200)]
+    slow = [rng.gauss(150, 10) for _ in range(200)]
+    better = bench.bootstrap_p90_diff(fast, slow)
+    assert better["ci90_ms"][1] < 0 < -better["diff_ms"] and better["p_not_worse"] > 0.99
+    worse = bench.bootstrap_p90_diff(slow, fast)
+    assert worse["ci90_ms"][0] > 0 and worse["p_not_worse"] < 0.01
+    same = bench.bootstrap_p90_diff(fast, list(fast))
+    assert same["ci90_ms"][0] <= 0 <= same["ci90_ms"][1]
