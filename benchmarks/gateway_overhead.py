@@ -58,10 +58,28 @@ UPSTREAM_ITL_MS = 10.0   # per-token interval of streams (unary answers come at 
 
 # -- processes ---------------------------------------------------------------------------------------
 
+# YIELDGATE_BENCH_PORTS="22500-22599" keeps every port this benchmark opens in a range (machines
+# shared by several engineers); without it the kernel picks free ephemeral ports.
+_PORT_RANGE = os.environ.get("YIELDGATE_BENCH_PORTS", "")
+_next_port = int(_PORT_RANGE.split("-")[0]) if _PORT_RANGE else 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _next_port
+    if not _PORT_RANGE:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first, last = (int(x) for x in _PORT_RANGE.split("-"))
+    for _ in range(last - first + 1):
+        port, _next_port = _next_port, first + (_next_port + 1 - first) % (last - first + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,

@@ -77,7 +77,7 @@ def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
 
 def _in_gateway_loop(gw, coro_fn):
     """Run coro_fn() on the in-process gateway's event loop (it runs in another thread)."""
-    loop = gw.gateway.proxy.session._loop
+    loop = gw.gateway.proxy.upstream.loop
     return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result(10)
 
 
@@ -172,6 +172,4 @@ async def test_no_leaked_connections_or_tasks(hot_gateway, fake_upstream):
     # Open upstream connections are the gateway's keep-alive pool (+ health checks), bounded by
     # the client concurrency, not growing with the request count.
     assert counters["connections_open"] <= 110, counters
-    connector = hot_gateway.gateway.proxy.session.connector
-    acquired = sum(1 for _ in connector._acquired)
-    assert acquired == 0
+    assert hot_gateway.gateway.proxy.upstream.in_use == 0
