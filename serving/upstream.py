@@ -3,8 +3,9 @@ and an httptools parser per connection.
 
 The request path needs little of a general HTTP client: POST a JSON body, read the status, then
 either the whole body or its pieces as they arrive, with the connection going back to the pool
-when the answer is complete. aiohttp did this at about a quarter of the gateway's CPU per request;
-this does it with one `transport.write` per request and no per-request objects beyond the response.
+when the answer is complete. aiohttp's client machinery was about a quarter of the gateway's sampled
+CPU in a py-spy profile at 400 RPS; this sends a request with one `transport.write` and allocates
+little beyond the response object.
 
     pool = UpstreamPool(connect_timeout_s=5, read_timeout_s=300)
     resp = await pool.post(Endpoint.parse("http://127.0.0.1:8101/v1/completions"), body)
