@@ -9,6 +9,7 @@ as they arrive; only the final usage event is decoded and rewritten (cost, tier,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -351,10 +352,24 @@ class _RelayResponse(StreamingResponse):
             self._end("aborted", None)
 
 
+# Request ids: a random prefix per process and a counter (the ledger keys records by request id,
+# so ids must not repeat across processes or restarts; a syscall per request is not needed for that).
+_ID_PREFIX = f"req-{os.urandom(10).hex()}"
+_ids = itertools.count()
+
+
+def _new_id_prefix() -> None:  # a forked worker gets a prefix of its own
+    global _ID_PREFIX
+    _ID_PREFIX = f"req-{os.urandom(10).hex()}"
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
 def _request_id(headers: dict[bytes, bytes]) -> str:
     """The client's x-request-id if it is printable (it is forwarded upstream as a header line)."""
     given = _header(headers, b"x-request-id")
-    return given if given and given.isprintable() else f"req-{os.urandom(16).hex()}"
+    return given if given and given.isprintable() else f"{_ID_PREFIX}{next(_ids):012x}"
 
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str:
