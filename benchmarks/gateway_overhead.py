@@ -58,10 +58,28 @@ UPSTREAM_ITL_MS = 10.0   # per-token interval of streams (unary answers come at 
 
 # -- processes ---------------------------------------------------------------------------------------
 
+# YIELDGATE_BENCH_PORTS="22500-22599" keeps every port this benchmark opens in a range (machines
+# shared by several engineers); without it the kernel picks free ephemeral ports.
+_PORT_RANGE = os.environ.get("YIELDGATE_BENCH_PORTS", "")
+_next_port = int(_PORT_RANGE.split("-")[0]) if _PORT_RANGE else 0
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    global _next_port
+    if not _PORT_RANGE:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first, last = (int(x) for x in _PORT_RANGE.split("-"))
+    for _ in range(last - first + 1):
+        port, _next_port = _next_port, first + (_next_port + 1 - first) % (last - first + 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 def wait_http(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
@@ -147,11 +165,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full": {"policy": "cache_aware", "require_keys": True},
     "no_tokenize": {"policy": "round_robin", "require_keys": True},
     "no_auth": {"policy": "cache_aware", "require_keys": False},
+    "no_ledger": {"policy": "cache_aware", "require_keys": True, "ledger": False},
+    "no_metrics": {"policy": "cache_aware", "require_keys": True, "request_metrics": False},
     "minimal": {"policy": "round_robin", "require_keys": False},
+    # Only what no switch turns off: parsing, tiers, routing (round robin), pricing, forwarding.
+    "bare": {"policy": "round_robin", "require_keys": False, "ledger": False, "request_metrics": False},
 }
+VARIANT_ORDER = ("no_tokenize", "no_auth", "no_ledger", "no_metrics", "minimal", "bare")
 
 
-def gateway_config(port: int, upstream: str, workdir: Path, policy: str, require_keys: bool) -> str:
+def gateway_config(port: int, upstream: str, workdir: Path, policy: str, require_keys: bool,
+                   ledger: bool = True, request_metrics: bool = True) -> str:
     replicas = "\n".join(
         f'[[fleet.replicas]]\nname = "fake-{i}"\ntier = "standard"\nurl = "{upstream}"\ncost_per_hour = "0.40"\n'
         for i in range(2))
@@ -161,6 +185,8 @@ host = "127.0.0.1"
 port = {port}
 admin_token = "{ADMIN_TOKEN}"
 require_keys = {str(require_keys).lower()}
+ledger = {str(ledger).lower()}
+request_metrics = {str(request_metrics).lower()}
 redis_url = "{REDIS_URL}"
 data_dir = "{workdir}/data"
 
@@ -195,7 +221,7 @@ class Yieldgate:
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
         cfg = self.workdir / "gateway.toml"
-        cfg.write_text(gateway_config(self.port, upstream, self.workdir, v["policy"], v["require_keys"]))
+        cfg.write_text(gateway_config(self.port, upstream, self.workdir, **v))
         env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
         env["YIELDGATE_HOME"] = str(self.workdir)
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "gateway.cli", "gateway", "--config", str(cfg)],
@@ -586,8 +612,7 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} ({VARIANTS[name]}) | {_f(_dist(row, 'e2e_ms', 'p50') - _dist(base, 'e2e_ms', 'p50'))} | "
                          f"{_f(_dist(row, 'e2e_ms', 'p99') - _dist(base, 'e2e_ms', 'p99'))} | {_f(cpu, 0)} | "
                          f"{_f(1e6 / cpu if cpu else None, 0)} |")
-        lines += ["", "Cost pricing, the ledger journal and Prometheus metrics have no switch: they are on in "
-                  "every variant."]
+        lines += ["", "Cost pricing has no switch (the response carries the cost): it is on in every variant."]
     lines += ["", "## Goals", ""] + [f"- {k}: {_f(v)}" for k, v in a["goals"].items()]
     return "\n".join(lines) + "\n"
 
@@ -687,7 +712,7 @@ def main() -> None:
             finally:
                 yg.close()
         if not a.skip_variants and not a.litellm_only:  # before LiteLLM: nothing of it may be left running on core 1
-            for variant in ("no_tokenize", "no_auth", "minimal"):
+            for variant in VARIANT_ORDER:
                 cleanup_redis()
                 g = Yieldgate(up_url, workdir, variant)
                 try:

@@ -234,6 +234,7 @@ class Accounting:
         self.ledger: Ledger | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_token = config.server.admin_token.encode()
+        self._request_metrics = config.server.request_metrics
         # Every tier the fleet serves must have a price, or finish() could not bill it.
         for tier in {r.tier for r in config.fleet.replicas}:
             self.price_book.price(config.fleet.model, tier)
@@ -257,7 +258,7 @@ class Accounting:
                                      reservation_ttl_s=limits.reservation_ttl_s)
         self.limiter = RateLimiter(self.redis, prefix=limits.prefix, window_s=limits.rate_window_s,
                                    on_redis_error=limits.on_redis_error)
-        self.ledger = await self._start_ledger()
+        self.ledger = await self._start_ledger() if self.config.server.ledger else None
 
     async def _start_ledger(self) -> Ledger:
         cfg = self.config.pricing.ledger
@@ -370,16 +371,17 @@ class Accounting:
         ctx.finished = True
         ctx.status = status
         latency = time.perf_counter() - ctx.started
-        rc = self._request_children.get((ctx.kind, ctx.tier, status))
-        if rc is None:
-            m = self.metrics
-            rc = self._request_children[(ctx.kind, ctx.tier, status)] = (
-                m.requests.labels(ctx.kind, ctx.tier, status), m.latency.labels(ctx.tier),
-                m.ttft.labels(ctx.tier))
-        self.metrics.batch.inc(rc[0])
-        rc[1].observe(latency)
-        if ctx.ttft is not None:
-            rc[2].observe(ctx.ttft)
+        if self._request_metrics:
+            rc = self._request_children.get((ctx.kind, ctx.tier, status))
+            if rc is None:
+                m = self.metrics
+                rc = self._request_children[(ctx.kind, ctx.tier, status)] = (
+                    m.requests.labels(ctx.kind, ctx.tier, status), m.latency.labels(ctx.tier),
+                    m.ttft.labels(ctx.tier))
+            self.metrics.batch.inc(rc[0])
+            rc[1].observe(latency)
+            if ctx.ttft is not None:
+                rc[2].observe(ctx.ttft)
         estimated = False
         if usage is None and status == "aborted" and ctx.replica is not None:
             usage = self._estimate_aborted(ctx)
@@ -416,24 +418,26 @@ class Accounting:
     def _count(self, ctx: RequestContext, usage: Usage, priced: PricedUsage, cost: Cost,
                latency: float, estimated: bool) -> None:
         labels = (ctx.tier, ctx.model)
-        c = self._children.get(labels)
-        if c is None:
-            c = self._children[labels] = _Children.bind(self.metrics, *labels)
-        inc = self.metrics.batch.inc
-        inc(c.prompt, priced.prompt_tokens)
-        inc(c.cached, priced.cached_tokens)
-        inc(c.uncached, priced.uncached_tokens)
-        inc(c.completion, priced.completion_tokens)
-        inc(c.cost_uncached, cost.uncached_input)  # Decimal sums: exact until the scrape
-        inc(c.cost_cached, cost.cached_input)
-        inc(c.cost_output, cost.output)
-        if estimated:
-            m = self.metrics
-            m.aborted_estimated_tokens.labels("prompt", ctx.tier).inc(priced.prompt_tokens)
-            m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
-        else:
-            inc(c.predicted_cached, ctx.predicted_cached_tokens)
-            c.prediction_error.observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+        if self._request_metrics:
+            c = self._children.get(labels)
+            if c is None:
+                c = self._children[labels] = _Children.bind(self.metrics, *labels)
+            inc = self.metrics.batch.inc
+            inc(c.prompt, priced.prompt_tokens)
+            inc(c.cached, priced.cached_tokens)
+            inc(c.uncached, priced.uncached_tokens)
+            inc(c.completion, priced.completion_tokens)
+            inc(c.cost_uncached, cost.uncached_input)  # Decimal sums: exact until the scrape
+            inc(c.cost_cached, cost.cached_input)
+            inc(c.cost_output, cost.output)
+            if estimated:
+                m = self.metrics
+                m.aborted_estimated_tokens.labels("prompt", ctx.tier).inc(priced.prompt_tokens)
+                m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
+            else:
+                inc(c.predicted_cached, ctx.predicted_cached_tokens)
+                c.prediction_error.observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+        if not estimated:
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)
         if t is None:
@@ -505,9 +509,15 @@ class Accounting:
     async def flushed_ledger(self) -> Ledger:
         """The ledger with everything recorded so far stored (best effort within 2 s): reports
         read the store, and a just-finished request should show up in them."""
-        assert self.ledger is not None
+        ledger = self.require_ledger()
         try:
-            await self.ledger.flush(timeout=2.0)
+            await ledger.flush(timeout=2.0)
         except LedgerError as exc:
             log.warning("report on a ledger not fully flushed: %s", exc)
+        return ledger
+
+    def require_ledger(self) -> Ledger:
+        if self.ledger is None:
+            raise ServiceUnavailable("The ledger is switched off on this gateway (server.ledger).",
+                                     code="ledger_disabled")
         return self.ledger

@@ -224,8 +224,7 @@ def build_feedback_router(gw: "Gateway", authenticated: Any) -> APIRouter:
             raise InvalidRequest("Give passed, score or both.", param="passed")
         if fb.score is not None and not math.isfinite(fb.score):
             raise InvalidRequest("score must be finite.", param="score")
-        assert gw.accounting.ledger is not None
-        outcome = await gw.accounting.ledger.attach_outcome(
+        outcome = await gw.accounting.require_ledger().attach_outcome(
             request_id=fb.request_id, session_id=fb.session_id, passed=fb.passed, score=fb.score,
             note=fb.note)
         return json_response({"object": "feedback", "outcome": outcome})

@@ -30,6 +30,7 @@ from .weights import WeightOrchestrator, build_intake_router
 
 log = logging.getLogger("yieldgate.gateway")
 _encode = msgspec.json.Encoder().encode
+GC_YOUNG_THRESHOLD = 50_000
 
 
 class InsecureConfig(RuntimeError):
@@ -151,6 +152,11 @@ def create_app(config: Config) -> GatewayApp:
         # keep it out of the collector's full passes, which otherwise stall requests for ms.
         gc.collect()
         gc.freeze()
+        # Collect the young generation every 50k allocations instead of 700: a collection walks
+        # every live young object, and under load that is the state of ~100 requests in flight
+        # (token lists of hundreds of ints), so the default paid ~0.5 ms per pass, hundreds of
+        # times a second. Objects freed by reference counting never reach the collector.
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         try:
             yield
         finally:

@@ -29,6 +29,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     data_dir: str = ""                 # ledger and journal; "" = <YIELDGATE_HOME>/data
     log_content: bool = False          # never log prompts or completions unless set
     cors_origins: list[str] = []       # CORS is off unless origins are listed
+    # Per-request features that can be switched off, so that each one's cost can be measured
+    # (benchmarks/gateway_overhead.py). Off means: no billing record per request (reports and
+    # feedback answer 503), or no Prometheus request/token/cost series.
+    ledger: bool = True
+    request_metrics: bool = True
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):

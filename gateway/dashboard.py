@@ -90,6 +90,8 @@ class Dashboard:
         now = time.monotonic()
         if self._ledger_cache and now - self._ledger_cache[0] < LEDGER_CACHE_S:
             return self._ledger_cache[1]
+        if self.gw.accounting.ledger is None:  # switched off: the panels stay empty
+            return {"spend": [], "success": []}
         ledger = await self.gw.accounting.flushed_ledger()
         spend = await ledger.usage(("key_id", "team"))
         success = await ledger.success(("weight_version",))

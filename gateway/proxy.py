@@ -9,18 +9,19 @@ as they arrive; only the final usage event is decoded and rewritten (cost, tier,
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
 from typing import Any, AsyncIterator, Callable
 
-import aiohttp
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from yarl import URL
 
 from serving.fleet import Fleet, Replica
+from serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
+                              UpstreamResponse)
 
 from .accounting import Accounting, RequestContext, Usage
 from .config import Config
@@ -39,7 +40,7 @@ _encode = msgspec.json.Encoder(decimal_format="number").encode
 _REQUEST_TYPES = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Failures before the first response byte: the request can safely go to another replica.
-_RETRYABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+_RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
 
 class Proxy:
@@ -48,27 +49,18 @@ class Proxy:
         self.fleet = fleet
         self.routing = routing
         self.accounting = accounting
-        self.session: aiohttp.ClientSession | None = None
+        limits = config.limits
+        # Keep-alive connections per engine, dropped after 4 s idle (vLLM's uvicorn closes at 5 s).
+        self.upstream = UpstreamPool(connect_timeout_s=limits.upstream_connect_timeout_s,
+                                     read_timeout_s=limits.upstream_read_timeout_s)
         self.streams = StreamLimiter(config.limits.streams_per_key)
-        self._urls: dict[str, URL] = {}
+        self._endpoints: dict[str, Endpoint] = {}
 
     async def start(self) -> None:
-        limits = self.config.limits
-        # vLLM's uvicorn closes idle keep-alive connections after 5 s; drop ours before that so a
-        # request never lands on a connection the engine is closing.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4, enable_cleanup_closed=True)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=limits.upstream_connect_timeout_s,
-                sock_read=limits.upstream_read_timeout_s),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the jar per request
-        )
+        await self.upstream.start()
 
     async def close(self) -> None:
-        if self.session:
-            await self.session.close()
+        await self.upstream.close()
 
     # -- request parsing -------------------------------------------------------------------------
 
@@ -124,7 +116,7 @@ class Proxy:
         if model != self.fleet.config.model:
             raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
         ctx = RequestContext(
-            request_id=_header(headers, b"x-request-id") or f"req-{os.urandom(16).hex()}",
+            request_id=_request_id(headers),
             kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
             session_id=_header(headers, b"x-session-id") or typed.user or "",
             key=getattr(request.state, "api_key", None),
@@ -155,11 +147,10 @@ class Proxy:
             raise
 
     async def _open(self, ctx: RequestContext, typed: Any, payload: bytes,
-                    failed: set[str] | None = None) -> tuple[Replica, aiohttp.ClientResponse]:
+                    failed: set[str] | None = None) -> tuple[Replica, UpstreamResponse]:
         """Send to the routed replica; if that fails before any answer, try again elsewhere if
         possible. Three tries: a replica that just died often costs one, and a keep-alive
         connection that the other replica closed at the same moment can cost another."""
-        assert self.session is not None
         failed = set() if failed is None else failed
         last_exc: BaseException | None = None
         for attempt in range(3):
@@ -176,16 +167,15 @@ class Proxy:
             # should already see this prefix on this replica.
             self.routing.observe(ctx, decision)
             try:
-                resp = await self.session.post(
-                    self._url(replica, ctx.kind), data=payload,
-                    headers={"content-type": "application/json", "x-request-id": ctx.request_id})
+                resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
+                                                b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
                 return replica, resp
             except _RETRYABLE as exc:
                 replica.inflight -= 1
                 self.routing.release(ctx)
                 last_exc = exc
                 failed.add(replica.name)
-                if isinstance(exc, aiohttp.ClientConnectorError):
+                if isinstance(exc, UpstreamConnectError):
                     # Nothing listens there: take it out of routing until the health check sees it.
                     self.fleet.set_health(replica, False)
                 if attempt == 0:
@@ -196,13 +186,13 @@ class Proxy:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
         raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
 
-    def _url(self, replica: Replica, kind: str) -> URL:
-        """The parsed upstream URL, parsed once (aiohttp parses a str URL on every request)."""
+    def _endpoint(self, replica: Replica, kind: str) -> Endpoint:
+        """The upstream URL, parsed once per replica and path."""
         text = replica.url + _PATHS[kind]
-        url = self._urls.get(text)
-        if url is None:
-            url = self._urls[text] = URL(text)
-        return url
+        endpoint = self._endpoints.get(text)
+        if endpoint is None:
+            endpoint = self._endpoints[text] = Endpoint.parse(text)
+        return endpoint
 
     async def _unary(self, ctx: RequestContext, typed: Any, payload: bytes) -> Response:
         failed: set[str] = set()  # replicas that failed this request, avoided by the next try
@@ -273,13 +263,13 @@ class Proxy:
             headers={**self._headers(ctx, None), "cache-control": "no-cache", "x-accel-buffering": "no"},
         )
 
-    async def _relay(self, ctx: RequestContext, replica: Replica, resp: aiohttp.ClientResponse,
+    async def _relay(self, ctx: RequestContext, replica: Replica, resp: UpstreamResponse,
                      want_usage: bool, end: Callable[[str, Usage | None], None]) -> AsyncIterator[bytes]:
         splitter = EventSplitter()
         usage: Usage | None = None
         status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
         try:
-            async for data in resp.content.iter_any():
+            async for data in resp.iter_chunks():
                 if ctx.ttft is None:
                     ctx.first_byte()
                     self.routing.release(ctx)
@@ -360,6 +350,26 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._end("aborted", None)
+
+
+# Request ids: a random prefix per process and a counter (the ledger keys records by request id,
+# so ids must not repeat across processes or restarts; a syscall per request is not needed for that).
+_ID_PREFIX = f"req-{os.urandom(10).hex()}"
+_ids = itertools.count()
+
+
+def _new_id_prefix() -> None:  # a forked worker gets a prefix of its own
+    global _ID_PREFIX
+    _ID_PREFIX = f"req-{os.urandom(10).hex()}"
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
+
+
+def _request_id(headers: dict[bytes, bytes]) -> str:
+    """The client's x-request-id if it is printable (it is forwarded upstream as a header line)."""
+    given = _header(headers, b"x-request-id")
+    return given if given and given.isprintable() else f"{_ID_PREFIX}{next(_ids):012x}"
 
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str:

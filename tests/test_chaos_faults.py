@@ -227,8 +227,9 @@ def test_slow_client_does_not_make_the_gateway_buffer(stack, chaos_engine, gatew
           f"queues, {held / 1e3:.0f} kB in the gateway process")
     assert b"data: [DONE]" in received
     assert total > 3_000_000, "the stream must be much larger than any buffer for this to mean anything"
-    # Backpressure: the gateway holds its aiohttp reader and uvicorn writer buffers plus what it
-    # has in hand (measured 0.6-1.3 MB here, depending on machine load), never the stream.
+    # Backpressure: the gateway holds its upstream reader (64 KB, then it stops reading) and uvicorn
+    # writer buffers plus what it has in hand (measured 0.6-1.3 MB here, depending on machine
+    # load), never the stream.
     assert held < 2_000_000 and held < total / 2
 
 

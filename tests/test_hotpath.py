@@ -77,7 +77,7 @@ def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
 
 def _in_gateway_loop(gw, coro_fn):
     """Run coro_fn() on the in-process gateway's event loop (it runs in another thread)."""
-    loop = gw.gateway.proxy.session._loop
+    loop = gw.gateway.proxy.upstream.loop
     return asyncio.run_coroutine_threadsafe(coro_fn(), loop).result(10)
 
 
@@ -172,6 +172,25 @@ async def test_no_leaked_connections_or_tasks(hot_gateway, fake_upstream):
     # Open upstream connections are the gateway's keep-alive pool (+ health checks), bounded by
     # the client concurrency, not growing with the request count.
     assert counters["connections_open"] <= 110, counters
-    connector = hot_gateway.gateway.proxy.session.connector
-    acquired = sum(1 for _ in connector._acquired)
-    assert acquired == 0
+    assert hot_gateway.gateway.proxy.upstream.in_use == 0
+
+
+async def test_ledger_and_request_metrics_can_be_switched_off(gateway_factory, fake_upstream, redis_url, tmp_path):
+    # The benchmark measures each feature's cost by switching it off; the gateway must still serve.
+    config = Config(
+        server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path), admin_token="t0ken",
+                            ledger=False, request_metrics=False),
+        fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
+                          tiers={"standard": TierConfig(policy="round_robin")}),
+    )
+    gw = gateway_factory(config)
+    async with aiohttp.ClientSession() as s:
+        answer = json.loads(await _chat(s, gw.url, stream=False))
+        assert "cost" in answer["usage"]  # pricing stays on
+        await _chat(s, gw.url, stream=True)
+        async with s.get(gw.url + "/admin/spend", headers={"authorization": "Bearer t0ken"}) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "ledger_disabled"
+        async with s.get(gw.url + "/metrics") as resp:
+            assert 'yieldgate_requests_total{' not in await resp.text()
+    assert gw.gateway.accounting.ledger is None
