@@ -211,13 +211,16 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         "direct_stream_seconds": [baseline_before.transfer_seconds, baseline.transfer_seconds],
         "ratio_to_raw_transfer": to_new / raw,
         "goal": "time_to_100pct_new_s < 2 x raw_transfer_seconds, 0 failed, no mixed versions",
-        "trainer_to_gateway_stream_seconds": report.transfer_seconds,
+        "trainer_stream_seconds": report.transfer_seconds,
+        "trainer_stream_targets": report.engines,
         "staged_at_s": events.get("staged"),
         "bytes_per_engine": report.bytes_per_engine,
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
         "load_avg_1m_start": load_start,
         "load_avg_1m_end": os.getloadavg()[0],
+        "timeline_from_push_start_s": [[round(e["t"] - push_start, 3), e["event"], e["replica"], e["detail"]]
+                                       for e in state["timeline"]],
         "timeline": state["timeline"],
         "probes": [{**p, "t": p["t"] - push_start, "end": p["end"] - push_start} for p in probes],
     }
