@@ -58,6 +58,10 @@ class EngineClient:
     def start_weight_update(self) -> None:
         self._call("POST", "/start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        """Like start_weight_update, but this session's weights go to the speculative draft model."""
+        self._call("POST", "/start_draft_weight_update")
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._call("POST", "/update_weights", json={"update_info": update_info})
 
