@@ -251,6 +251,7 @@ class WeightOrchestrator:
         self.current: RolloutState | None = None
         self.history: list[RolloutState] = []
         self.intakes: dict[str, PushIntake] = {}
+        self._armed: dict[str, bool] = {}  # engine URL -> runs our backend, armed with engine_token
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
@@ -293,9 +294,11 @@ class WeightOrchestrator:
         """Arm unarmed engines with the gateway's token (re-arming with the same token is a no-op)."""
         for r in replicas:
             if await asyncio.to_thread(_backend, r.url) != "yieldgate":
+                self._armed[r.url] = False
                 continue
             with EngineClient(r.url, 60.0) as client:
                 await asyncio.to_thread(client.init_weight_transfer_engine, {"token": self.engine_token})
+            self._armed[r.url] = True
 
     def select(self, tier: str | None) -> list[Replica]:
         tiers = self.fleet.tiers()
@@ -345,24 +348,42 @@ class WeightOrchestrator:
                              tiers=[request.tier] if request.tier else self.fleet.tiers(),
                              state="awaiting_push")
         self._begin(state)
-        token = secrets.token_urlsafe(24)
         engines: dict[str, Replica] = {}
-        try:
-            # Arm every engine with this push's token now, so the trainer can stream to them.
-            backends = await rotate_push_token([r.url for r in replicas], token, self.engine_token)
-        except RolloutFailed as exc:
-            log.warning("push %s: engines not armed (%s); the gateway relays the weights", state.id, exc)
+        if await self._all_armed(replicas):
+            # The trainer streams to the engines with the token they hold (no arm round trip on
+            # the push's path); the rollout retires it afterwards, so it serves one push.
+            token = self.engine_token
+            engines = {r.name: r for r in replicas}
         else:
-            if all(b == "yieldgate" for b in backends.values()):
-                self._remember_token(token)
-                engines = {r.name: r for r in replicas}
-            elif any(b == "yieldgate" for b in backends.values()):
-                self._remember_token(token)  # armed, but the gateway stages them itself
+            token = secrets.token_urlsafe(24)  # the gateway relays: this token reaches no engine
         intake = PushIntake(state, token, request, engines)
         self.intakes = {state.id: intake}  # only the newest intake takes pushes
         route = f"fan-out to {len(engines)} engine(s)" if engines else "relayed by the gateway"
         state.note("issued", detail=f"push token issued ({route}); waiting for the trainer")
         return intake
+
+    async def _all_armed(self, replicas: list[Replica]) -> bool:
+        """Do all `replicas` run the yieldgate backend, armed with the gateway's token? Probed
+        (and armed) once per engine URL; an engine that refuses a push is probed again next time."""
+        unknown = [r.url for r in replicas if r.url not in self._armed]
+        if unknown:
+            try:
+                found = await rotate_push_token(unknown, self.engine_token, self.engine_token)
+            except RolloutFailed as exc:
+                log.warning("engines not armed (%s); pushes are relayed by the gateway", exc)
+                return False
+            self._armed.update({url: b == "yieldgate" for url, b in found.items()})
+        return all(self._armed[r.url] for r in replicas)
+
+    async def _retire_token(self, replicas: list[Replica]) -> None:
+        """Rotate the engines off the token a trainer was handed (its push is over)."""
+        token = secrets.token_urlsafe(24)
+        try:
+            await rotate_push_token([r.url for r in replicas], token, self.engine_token)
+        except RolloutFailed as exc:  # every engine was handed back the old token
+            log.warning("push token not retired: %s", exc)
+            return
+        self._remember_token(token)
 
     async def start_checkpoint(self, request: WeightsRequest) -> RolloutState:
         assert isinstance(request.source, CheckpointSource)
@@ -508,7 +529,11 @@ class WeightOrchestrator:
         url = intake.engines[engine].url
         self.drain_early(intake)
         with EngineClient(url, 60.0) as client:
-            await asyncio.to_thread(client.update_weights, {**info, "phase": "stage"})
+            try:
+                await asyncio.to_thread(client.update_weights, {**info, "phase": "stage"})
+            except PushRefused:
+                self._armed.pop(url, None)  # e.g. restarted unarmed: the next push probes and arms it
+                raise
         intake.sessions[url] = str(info["session"])
         intake.state.note("staging", engine, "the engine pulls the trainer's stream while it serves")
 
@@ -552,8 +577,13 @@ class WeightOrchestrator:
             self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
             state.state = "running"
             staged = intake.sessions or None
-            intake.finishing = self._spawn(self._run(state, replicas, intake.staged, intake.request,
-                                                     staged=staged))
+            async def roll() -> None:
+                await self._run(state, replicas, intake.staged, intake.request, staged=staged)
+                if staged:
+                    async with self.lock:
+                        await self._retire_token(replicas)
+
+            intake.finishing = self._spawn(roll())
             # Late finish calls still find the intake; the weights it holds are on disk by now.
             intake.finishing.add_done_callback(lambda _t: setattr(intake, "staged", None))
         await asyncio.shield(intake.finishing)
@@ -694,7 +724,7 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
         # push() asks for the serving dtype; every replica serves the same model.
         intake = orch.intake(rollout_id, engine)
         url = intake.engines[engine].url if engine else next(iter(orch.fleet.replicas.values())).url
-        async with httpx.AsyncClient(timeout=10.0, verify=tls_context()) as http:
+        async with httpx.AsyncClient(timeout=60.0, verify=tls_context()) as http:  # see model_dtype
             resp = await http.get(url + "/server_info")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 

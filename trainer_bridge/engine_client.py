@@ -101,7 +101,9 @@ class EngineClient:
         )
 
     def _server_config(self) -> str:
-        resp = self._http.get("/server_info", timeout=10.0)
+        # The first /server_info of an engine's life collects its system environment (vLLM's
+        # collect_env, cached afterwards): seconds, and more than 10 on a busy box.
+        resp = self._http.get("/server_info", timeout=60.0)
         if resp.status_code != 200:
             return ""
         return str(resp.json().get("vllm_config", ""))
