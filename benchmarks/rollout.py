@@ -4,18 +4,20 @@
     python benchmarks/rollout.py --gateway URL --admin-token TOKEN   # or uses a running one
 
 A loadtest `run_load` (steady concurrency, both tiers) keeps the fleet busy while a trainer-side
-`push(gateway=...)` rolls a perturbed copy of the demo weights through it; probe threads record
-the version header of every response they get. Reported: failed requests (goal 0), the timeline
-of versions served, and push start -> 100% of traffic on the new version (the later of the last
-re-admission and the end of the last old-version response) against the raw transfer time.
+`push(gateway=...)` rolls perturbed copies of the demo weights through it, `--rollouts` times in a
+row (<version>.1, .2, ...); probe threads record the version header of every response they get.
+Reported: failed requests (goal 0), responses with an unknown version or a replica going back to
+an older one (goal 0), the timeline of each rollout, and push start -> 100% of traffic on the new
+version (the later of the last re-admission and the end of the last old-version response).
 
-Raw transfer time, as used for the goal (rollout < 2x): a direct `push()` of the same number of
-bytes into every engine at once (arm, stream, verify, load, commit the version, reset the
-prefix cache; no drain, no checkpoint, no verify), under the same load in the same run. It is
-measured twice, before the rollout (the old weights, re-pushed under the version they already
-serve) and after it (the new weights under the new version), so neither push changes what any
-response says; the mean is the denominator. The fleet is rolled back to the version it served
-before. Writes benchmarks/results/rollout.json and rollout.png.
+Raw transfer time, as used for the goal (rollout < 2x): a direct `push()` of the same bytes
+(same dtype, asked from the engines once) into every engine at once (arm, stream, verify, load,
+commit the version, reset the prefix cache; no drain, no checkpoint, no verify), under the same
+load in the same run, `--direct-pushes` times before the rollouts (the old weights, re-pushed
+under the version they already serve, after one untimed warm-up push) and as often after them
+(the last weights under the last version), so none changes what any response says. The ratio is
+median(time to 100% new) / median(raw transfer). The fleet is rolled back to the version it
+served before. Writes benchmarks/results/rollout.json and rollout.png.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +42,7 @@ from safetensors.torch import load_file
 from gateway.embedded import stop_process_group
 from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 from serving.demo_model import ensure_demo_model
-from trainer_bridge import push
+from trainer_bridge import EngineClient, push
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +118,9 @@ def main() -> None:
     ap.add_argument("--admin-token", default=None)
     ap.add_argument("--up", action="store_true", help="start a private demo stack for the run")
     ap.add_argument("--port", type=int, default=21500, help="gateway port with --up")
-    ap.add_argument("--version", default="bench-1")
+    ap.add_argument("--version", default="bench", help="rollouts push <version>.1, .2, ...")
+    ap.add_argument("--rollouts", type=int, default=3)
+    ap.add_argument("--direct-pushes", type=int, default=3, help="timed direct pushes before and after")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=4.0)
     ap.add_argument("--out", default=str(RESULTS / "rollout"))
@@ -135,18 +140,32 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     admin = httpx.Client(base_url=gw, timeout=300, headers={"Authorization": f"Bearer {admin_token}"})
     before = {n: r["weight_version"] for n, r in admin.get("/admin/weights").json()["replicas"].items()}
     old = next(iter(set(before.values())))
+    if old != "base":
+        raise SystemExit(f"the fleet serves {old!r}; start from the launch weights (base)")
     base = load_file(str(Path(ensure_demo_model()) / "model.safetensors"))
-    weights = perturbed(base, 7)
+    versions = [f"{args.version}.{i}" for i in range(1, args.rollouts + 1)]
+    weights = {v: perturbed(base, 7 + i) for i, v in enumerate(versions)}
+    direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
+    # Every push sends the same bytes: the engines' serving dtype, asked once up front.
+    dtype = EngineClient(direct["engines"][0]).model_dtype()
+    if dtype is None:
+        raise SystemExit("could not read the engines' serving dtype from /server_info")
 
     stop = threading.Event()
     probes: list[dict] = []
     load_result: dict = {}
+    duration = args.settle_s * (args.rollouts + 2) + 6 * args.direct_pushes + 20
 
     def steady() -> None:
         res = run_load(Target(base_url=gw, model="demo", api="completions"),
                        RandomLengthWorkload(input_tokens=64, output_tokens=16), ConcurrencyLoad(concurrency=args.concurrency),
-                       Bounds(requests=None, duration_s=args.settle_s * 2 + 30))
+                       Bounds(requests=None, duration_s=duration))
         load_result["result"] = res
+
+    def direct_pushes(wset: dict, version: str) -> list:
+        targets = admin.get("/admin/weight_targets", params={"direct": 1}).json()
+        return [push(wset, version, engines=targets["engines"], token=targets["push_token"],
+                     dtype=dtype, progress=False) for _ in range(args.direct_pushes)]
 
     loader = threading.Thread(target=steady, daemon=True)
     threads = [threading.Thread(target=probe, args=(gw, m, stop, probes), daemon=True)
@@ -156,104 +175,137 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         t.start()
     time.sleep(args.settle_s / 2)
     # Raw transfer, before: the weights the engines already serve, under the version they report,
-    # straight into every engine at once -- changes no response.
-    if old != "base":
-        raise SystemExit(f"the fleet serves {old!r}; start from the launch weights (base)")
-    direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
-    for _ in range(2):  # the first update after engine start pays one-time set-up; time the second
-        baseline_before = push(base, "default", engines=direct["engines"], token=direct["push_token"],
-                               progress=False)
+    # straight into every engine at once -- changes no response. The first update after engine
+    # start pays one-time set-up (staging memory): pushed once untimed.
+    push(base, "default", engines=direct["engines"], token=direct["push_token"], dtype=dtype, progress=False)
+    raw_before = direct_pushes(base, "default")
     time.sleep(args.settle_s / 2)
-    push_start = time.time()
-    report = push(weights, args.version, gateway=gw, token=admin_token, progress=False)
-    push_end = time.time()
-    time.sleep(args.settle_s)
-    # Raw transfer, after: the new weights under the new version (already served everywhere).
-    direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
-    baseline = push(weights, args.version, engines=direct["engines"], token=direct["push_token"],
-                    progress=False)
+    rollouts = []
+    previous = old
+    for version in versions:
+        push_start = time.time()
+        report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype, progress=False)
+        push_end = time.time()
+        time.sleep(args.settle_s)
+        state = admin.get("/admin/weights").json()["rollout"]
+        rollouts.append({"version_from": previous, "version_to": version, "push_start": push_start,
+                         "push_end": push_end, "report": report, "state": state})
+        previous = version
+    # Raw transfer, after: the last weights under the last version (already served everywhere).
+    raw_after = direct_pushes(weights[versions[-1]], versions[-1])
     time.sleep(1.0)
     stop.set()
     for t in threads:
         t.join(60)
     loader.join(120)
-    state = admin.get("/admin/weights").json()["rollout"]
 
-    # 100% on new: the last re-admission, or the end of the last old-version response if later.
-    admitted = [e["t"] for e in state["timeline"] if e["event"] == "admitted"]
-    old_after = [p["end"] for p in probes if p["version"] == old and p["t"] >= push_start]
-    all_new_at = max([*admitted, *old_after], default=push_start)
-    first_new = min((p["end"] for p in probes if p["version"] == args.version), default=None)
     records = load_result["result"].records if "result" in load_result else []
     failed_load = [r for r in records if not r.ok]
     failed_probe = [p for p in probes if p["status"] != 200]
-    mixed = [p for p in probes if p["status"] == 200 and p["version"] not in (old, args.version)]
-    raw = (baseline_before.seconds + baseline.seconds) / 2
-    to_new = all_new_at - push_start
-    events = {e["event"]: e["t"] - push_start for e in state["timeline"]}
+    mixed = [p for p in probes if p["status"] == 200 and p["version"] not in (old, *versions)]
+    # A clean switch per replica: once it answered with version k, it never answers an older one.
+    order = {v: i for i, v in enumerate([old, *versions])}
+    regressions = 0
+    for replica in {p["replica"] for p in probes if p["status"] == 200}:
+        served = [order[p["version"]] for p in sorted(probes, key=lambda p: p["end"])
+                  if p["replica"] == replica and p["status"] == 200 and p["version"] in order]
+        regressions += sum(b < a for a, b in zip(served, served[1:]))
+    raw_all = [r.seconds for r in raw_before + raw_after]
+    raw = statistics.median(raw_all)
+    t0 = rollouts[0]["push_start"]
+    per_rollout = []
+    for ro in rollouts:
+        start, state = ro["push_start"], ro["state"]
+        # 100% on new: the last re-admission, or the end of the last old-version response if later.
+        admitted = [e["t"] for e in state["timeline"] if e["event"] == "admitted"]
+        old_after = [p["end"] for p in probes if p["version"] == ro["version_from"] and p["t"] >= start]
+        all_new_at = max([*admitted, *old_after], default=start)
+        first_new = min((p["end"] for p in probes if p["version"] == ro["version_to"]), default=None)
+        per_rollout.append({
+            "version_from": ro["version_from"], "version_to": ro["version_to"],
+            "state": state["state"], "reason": state["reason"],
+            "push_start_s": start - t0,
+            "push_seconds": ro["push_end"] - start,
+            "time_to_100pct_new_s": all_new_at - start,
+            "first_new_response_s": (first_new - start) if first_new else None,
+            "trainer_stream_seconds": ro["report"].transfer_seconds,
+            "trainer_stream_targets": ro["report"].engines,
+            "bytes_per_engine": ro["report"].bytes_per_engine,
+            "timeline_from_push_start_s": [[round(e["t"] - start, 3), e["event"], e["replica"], e["detail"]]
+                                           for e in state["timeline"]],
+        })
+    to_new = statistics.median(r["time_to_100pct_new_s"] for r in per_rollout)
     summary = {
-        "version_from": old, "version_to": args.version,
-        "rollout_state": state["state"], "rollout_reason": state["reason"],
+        "version_from": old, "versions": versions,
+        "rollout_states": [r["state"] for r in per_rollout],
         "requests_load": len(records), "failed_load": len(failed_load),
         "failed_load_errors": sorted({str(r.error) for r in failed_load}),
         "requests_probe": len(probes), "failed_probe": len(failed_probe),
         "probe_responses_with_unknown_version": len(mixed),
-        "push_seconds": push_end - push_start,
+        "probe_version_regressions": regressions,
         "time_to_100pct_new_s": to_new,
-        "first_new_response_s": (first_new - push_start) if first_new else None,
+        "time_to_100pct_new_all_s": [r["time_to_100pct_new_s"] for r in per_rollout],
         "raw_transfer_seconds": raw,
-        "raw_transfer_definition": ("mean of two direct push() calls of the same bytes into every "
+        "raw_transfer_definition": ("median of direct push() calls of the same bytes (same dtype) into every "
                                     "engine at once (arm, stream, verify, load, commit version, reset "
-                                    "prefix cache), under the same load, before (after one warm-up "
-                                    "push) and after the rollout"),
-        "direct_push_before_seconds": baseline_before.seconds,
-        "direct_push_after_seconds": baseline.seconds,
-        "direct_stream_seconds": [baseline_before.transfer_seconds, baseline.transfer_seconds],
+                                    "prefix cache), under the same load, before (after one untimed warm-up "
+                                    "push) and after the rollouts"),
+        "direct_push_before_seconds": [r.seconds for r in raw_before],
+        "direct_push_after_seconds": [r.seconds for r in raw_after],
+        "direct_stream_seconds": [r.transfer_seconds for r in raw_before + raw_after],
         "ratio_to_raw_transfer": to_new / raw,
+        "ratio_definition": "median time_to_100pct_new over the rollouts / median raw transfer",
         "goal": "time_to_100pct_new_s < 2 x raw_transfer_seconds, 0 failed, no mixed versions",
-        "trainer_to_gateway_stream_seconds": report.transfer_seconds,
-        "staged_at_s": events.get("staged"),
-        "bytes_per_engine": report.bytes_per_engine,
+        "dtype": str(dtype),
+        "bytes_per_engine": per_rollout[0]["bytes_per_engine"],
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
         "load_avg_1m_start": load_start,
         "load_avg_1m_end": os.getloadavg()[0],
-        "timeline": state["timeline"],
-        "probes": [{**p, "t": p["t"] - push_start, "end": p["end"] - push_start} for p in probes],
+        "rollouts": per_rollout,
+        "probes": [{**p, "t": p["t"] - t0, "end": p["end"] - t0} for p in probes],
     }
     rb = admin.post("/admin/weights/rollback", json={"to_version": old})
     summary["rollback_status"] = rb.status_code
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
-    plot(summary, out.with_suffix(".png"), push_start)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("timeline", "probes")}, indent=2))
+    plot(summary, out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("rollouts", "probes")}, indent=2))
+    for r in per_rollout:
+        print(r["version_to"], f"{r['time_to_100pct_new_s']:.3f}s")
+        for e in r["timeline_from_push_start_s"]:
+            print("   ", e)
 
 
-def plot(summary: dict, path: Path, push_start: float) -> None:
+def plot(summary: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 3.8))
+    fig, ax = plt.subplots(figsize=(11, 3.8))
     replicas = sorted({p["replica"] for p in summary["probes"] if p["replica"]})
-    colors = {summary["version_from"]: "tab:blue", summary["version_to"]: "tab:orange"}
+    versions = [summary["version_from"], *summary["versions"]]
+    colors = dict(zip(versions, ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink"]))
     for i, rep in enumerate(replicas):
-        for ver, color in colors.items():
+        for ver in versions:
             pts = [p["end"] for p in summary["probes"] if p["replica"] == rep and p["version"] == ver]
-            ax.scatter(pts, [i] * len(pts), s=12, color=color, label=f"{ver}" if i == 0 else None)
+            ax.scatter(pts, [i] * len(pts), s=12, color=colors.get(ver, "grey"), label=ver if i == 0 else None)
     fails = [p["end"] for p in summary["probes"] if p["status"] != 200]
     ax.scatter(fails, [-0.5] * len(fails), marker="x", color="red", label="failed")
-    for ev in summary["timeline"]:
-        if ev["event"] in ("drain", "admitted"):
-            ax.axvline(ev["t"] - push_start, color="grey", lw=0.6, ls=":" if ev["event"] == "drain" else "-")
-    ax.axvline(summary["time_to_100pct_new_s"], color="green", lw=1.2, label="100% new")
+    for ro in summary["rollouts"]:
+        t = ro["push_start_s"]
+        ax.axvline(t, color="black", lw=0.8)
+        for at, event, _, _ in ro["timeline_from_push_start_s"]:
+            if event in ("drain", "admitted"):
+                ax.axvline(t + at, color="grey", lw=0.6, ls=":" if event == "drain" else "-")
+        ax.axvline(t + ro["time_to_100pct_new_s"], color="green", lw=1.2)
     ax.set_yticks(range(len(replicas)), replicas)
-    ax.set_xlabel("seconds since push start (dotted: drain, solid: re-admit)")
-    ax.set_title(f"rolling update {summary['version_from']} -> {summary['version_to']}: "
+    ax.set_xlabel("seconds since the first push (black: push start, dotted: drain, grey: re-admit, green: 100% new)")
+    ax.set_title(f"{len(summary['rollouts'])} rolling updates under load: "
                  f"{summary['failed_load'] + summary['failed_probe']} failed requests, "
-                 f"100% new at {summary['time_to_100pct_new_s']:.2f}s "
-                 f"(raw transfer {summary['raw_transfer_seconds']:.2f}s)", fontsize=9)
+                 f"100% new after {', '.join(f'{x:.2f}' for x in summary['time_to_100pct_new_all_s'])} s "
+                 f"(median raw transfer {summary['raw_transfer_seconds']:.2f} s)", fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

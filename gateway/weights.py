@@ -5,12 +5,17 @@
     POST /admin/weights/rollback   every replica back to N-1, rolling, in one call
     GET  /admin/weight_targets     what `trainer_bridge.push(gateway=URL)` pushes to
 
-A trainer's push goes to the gateway, not to the engines: the gateway exposes an engine-shaped
-intake (`/weights/intake/<id>/...`, the same four weight-sync calls vLLM serves) that stages the
-streamed weights, then rolls them through the fleet: staged on every engine in parallel while
-they serve, then applied one drained replica at a time. The trainer streams once; no engine's
-live weights change while it serves. `?direct=1` lists the real engines and
-their push token instead, for trainers that manage engines themselves.
+A trainer's push goes through the gateway, never around it: the gateway exposes engine-shaped
+intakes (`/weights/intake/<id>/...`, the same four weight-sync calls vLLM serves). When every
+replica runs the `yieldgate` backend, the push fans out: one intake per engine forwards the
+trainer's stream description to its engine as a *stage* (the engine pulls the chunks straight
+from the trainer while it serves), and one more intake receives a copy for the checkpoint
+store (rollback needs it on disk). The trainer serializes once and streams to all of them in
+parallel; the gateway only orchestrates. Otherwise one intake receives the weights and the
+rollout stages them on the engines itself. Either way the staged weights are then applied one
+drained replica at a time; no engine's live weights change while it serves. `?direct=1`
+lists the real engines and their push token instead, for trainers that manage engines
+themselves.
 
 Versions: vLLM reports "default" before any update; the gateway labels that "base".
 """
@@ -37,14 +42,15 @@ from trainer_bridge import (
     BridgeConfig,
     CheckpointStore,
     EngineClient,
+    EngineRequestError,
     PushRefused,
     RolloutFailed,
     reload_from_checkpoint,
     wire,
 )
 from trainer_bridge.engine_client import tls_context
-from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update
-from trainer_bridge.rollout import Rollout
+from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update_async
+from trainer_bridge.rollout import Rollout, rotate_push_token, swap_waves
 from trainer_bridge.weights import WeightSet
 
 from .admin import decode_body, json_response
@@ -216,12 +222,19 @@ class PushIntake:
     """Stages one pushed weight set. Authenticated by the per-rollout push token: init must
     present it, and every streamed chunk carries an HMAC made with it."""
 
-    def __init__(self, state: RolloutState, token: str, request: WeightsRequest) -> None:
+    def __init__(self, state: RolloutState, token: str, request: WeightsRequest,
+                 engines: dict[str, Replica] | None = None) -> None:
         self.state = state
         self.token = token
         self.request = request
         self.armed = False
-        self.staged: dict[str, Any] | None = None
+        self.staged: dict[str, Any] | None = None  # the gateway's copy (checkpoint, fallbacks)
+        # Fan-out: replica name -> replica the trainer streams to directly (armed with `token`),
+        # and engine URL -> the session each one staged.
+        self.engines = engines or {}
+        self.sessions: dict[str, str] = {}
+        self.finishing: asyncio.Task | None = None  # the rollout every finish call waits on
+        self.early: list[Replica] = []  # the rolling update's first wave, out of routing early
 
 
 class WeightOrchestrator:
@@ -238,6 +251,7 @@ class WeightOrchestrator:
         self.current: RolloutState | None = None
         self.history: list[RolloutState] = []
         self.intakes: dict[str, PushIntake] = {}
+        self._armed: dict[str, bool] = {}  # engine URL -> runs our backend, armed with engine_token
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
@@ -280,9 +294,11 @@ class WeightOrchestrator:
         """Arm unarmed engines with the gateway's token (re-arming with the same token is a no-op)."""
         for r in replicas:
             if await asyncio.to_thread(_backend, r.url) != "yieldgate":
+                self._armed[r.url] = False
                 continue
             with EngineClient(r.url, 60.0) as client:
                 await asyncio.to_thread(client.init_weight_transfer_engine, {"token": self.engine_token})
+            self._armed[r.url] = True
 
     def select(self, tier: str | None) -> list[Replica]:
         tiers = self.fleet.tiers()
@@ -311,7 +327,9 @@ class WeightOrchestrator:
             self.current.state = "failed"
             self.current.reason = f"superseded by {state.id} before any push arrived"
             self.current.finished_at = time.time()
-            self.intakes.pop(self.current.id, None)
+            superseded = self.intakes.pop(self.current.id, None)
+            if superseded is not None:
+                self.readmit_early(superseded, "superseded")
         if self.current is not None:
             self.history.append(self.current)
         self.current = state
@@ -323,17 +341,49 @@ class WeightOrchestrator:
         return task
 
     # -- starting rollouts
-    def open_push(self, request: WeightsRequest) -> PushIntake:
-        self.select(request.tier)
+    async def open_push(self, request: WeightsRequest) -> PushIntake:
+        replicas = self.select(request.tier)
         state = RolloutState(id=_rollout_id(), kind="rollout", version=request.version or "",
                              source="push", mode=request.mode,
                              tiers=[request.tier] if request.tier else self.fleet.tiers(),
                              state="awaiting_push")
         self._begin(state)
-        intake = PushIntake(state, secrets.token_urlsafe(24), request)
+        engines: dict[str, Replica] = {}
+        if await self._all_armed(replicas):
+            # The trainer streams to the engines with the token they hold (no arm round trip on
+            # the push's path); the rollout retires it afterwards, so it serves one push.
+            token = self.engine_token
+            engines = {r.name: r for r in replicas}
+        else:
+            token = secrets.token_urlsafe(24)  # the gateway relays: this token reaches no engine
+        intake = PushIntake(state, token, request, engines)
         self.intakes = {state.id: intake}  # only the newest intake takes pushes
-        state.note("issued", detail="push token issued; waiting for the trainer")
+        route = f"fan-out to {len(engines)} engine(s)" if engines else "relayed by the gateway"
+        state.note("issued", detail=f"push token issued ({route}); waiting for the trainer")
         return intake
+
+    async def _all_armed(self, replicas: list[Replica]) -> bool:
+        """Do all `replicas` run the yieldgate backend, armed with the gateway's token? Probed
+        (and armed) once per engine URL; an engine that refuses a push is probed again next time."""
+        unknown = [r.url for r in replicas if r.url not in self._armed]
+        if unknown:
+            try:
+                found = await rotate_push_token(unknown, self.engine_token, self.engine_token)
+            except RolloutFailed as exc:
+                log.warning("engines not armed (%s); pushes are relayed by the gateway", exc)
+                return False
+            self._armed.update({url: b == "yieldgate" for url, b in found.items()})
+        return all(self._armed[r.url] for r in replicas)
+
+    async def _retire_token(self, replicas: list[Replica]) -> None:
+        """Rotate the engines off the token a trainer was handed (its push is over)."""
+        token = secrets.token_urlsafe(24)
+        try:
+            await rotate_push_token([r.url for r in replicas], token, self.engine_token)
+        except RolloutFailed as exc:  # every engine was handed back the old token
+            log.warning("push token not retired: %s", exc)
+            return
+        self._remember_token(token)
 
     async def start_checkpoint(self, request: WeightsRequest) -> RolloutState:
         assert isinstance(request.source, CheckpointSource)
@@ -370,7 +420,8 @@ class WeightOrchestrator:
         return state
 
     async def _run(self, state: RolloutState, replicas: list[Replica], weights: Any,
-                   request: WeightsRequest, checkpoint: Path | None = None) -> None:
+                   request: WeightsRequest, checkpoint: Path | None = None,
+                   staged: dict[str, str] | None = None) -> None:
         async with self.lock:
             state.state = "running"
             state.note("start", detail=f"{len(replicas)} replica(s), mode {request.mode}")
@@ -381,7 +432,7 @@ class WeightOrchestrator:
                                      current_token=self.engine_token)
             try:
                 # run() arms or rotates every engine to a fresh token (current = ours).
-                await rollout.run(weights, engine_label(state.version))
+                await rollout.run(weights, engine_label(state.version), staged=staged)
             except RolloutFailed as exc:
                 self._fail(state, exc.reason, fleet, exc.replica)
             except Exception as exc:  # noqa: BLE001 - the state must say why, whatever broke
@@ -419,11 +470,72 @@ class WeightOrchestrator:
         return evaluate
 
     # -- push intake steps
-    def intake(self, rollout_id: str) -> PushIntake:
+    def intake(self, rollout_id: str, engine: str = "", finishing: bool = False) -> PushIntake:
         intake = self.intakes.get(rollout_id)
-        if intake is None or intake.state.state != "awaiting_push":
+        waiting = intake is not None and (intake.state.state == "awaiting_push"
+                                          or (finishing and intake.finishing is not None))
+        if intake is None or not waiting:
             raise NotFound(f"no rollout {rollout_id!r} waiting for a push", code="no_rollout")
+        if engine and engine not in intake.engines:
+            raise NotFound(f"rollout {rollout_id!r} has no engine {engine!r}", code="no_rollout")
         return intake
+
+    def drain_early(self, intake: PushIntake) -> None:
+        """Rolling: take the first wave out of routing as soon as the weights start streaming,
+        so its in-flight requests finish (on the old weights) during the transfer rather than
+        after it. Put back if the push never turns into a rollout (`readmit_early`)."""
+        if intake.early or intake.request.mode != "rolling":
+            return
+        replicas = {r.url: r for r in self.select(intake.request.tier)}
+        first = swap_waves(list(replicas), lambda url: replicas[url].tier)[0]
+        intake.early = [replicas[url] for url in first]
+        for r in intake.early:
+            r.admitted = False
+            intake.state.note("drain", r.name, f"{r.inflight} in flight; weights streaming")
+
+        async def watchdog() -> None:
+            await asyncio.sleep(self.bridge.stream_timeout_s)
+            if intake.finishing is None:
+                self.readmit_early(intake, "no push finished in time")
+
+        self._spawn(watchdog())
+
+    def readmit_early(self, intake: PushIntake, why: str, keep: frozenset[str] = frozenset()) -> None:
+        early, intake.early = intake.early, [r for r in intake.early if r.url in keep]
+        for r in early:
+            if r.url not in keep and not r.admitted:
+                r.admitted = True  # untouched: it still serves the weights it is labelled with
+                intake.state.note("admitted", r.name, f"{r.weight_version} ({why})")
+
+    async def start_on_engine(self, intake: PushIntake, engine: str) -> None:
+        """Open the engine's update session (vLLM refuses /update_weights outside one). A session
+        an abandoned push left open is ended first: nothing staged in it was ever applied."""
+        if not intake.armed:
+            raise PushRefused("engine not armed: call /init_weight_transfer_engine with the push token")
+        with EngineClient(intake.engines[engine].url, 60.0) as client:
+            try:
+                await asyncio.to_thread(client.start_weight_update)
+            except EngineRequestError as exc:
+                if "already active" not in str(exc):
+                    raise
+                await asyncio.to_thread(client.finish_weight_update)
+                await asyncio.to_thread(client.start_weight_update)
+
+    async def stage_on_engine(self, intake: PushIntake, engine: str, info: dict[str, Any]) -> None:
+        """Fan-out: the engine pulls the trainer's stream into its staging buffers and verifies
+        it in the background while it serves (`phase` "stage"); the rollout applies it later."""
+        if not intake.armed:
+            raise PushRefused("engine not armed: call /init_weight_transfer_engine with the push token")
+        url = intake.engines[engine].url
+        self.drain_early(intake)
+        with EngineClient(url, 60.0) as client:
+            try:
+                await asyncio.to_thread(client.update_weights, {**info, "phase": "stage"})
+            except PushRefused:
+                self._armed.pop(url, None)  # e.g. restarted unarmed: the next push probes and arms it
+                raise
+        intake.sessions[url] = str(info["session"])
+        intake.state.note("staging", engine, "the engine pulls the trainer's stream while it serves")
 
     async def receive(self, intake: PushIntake, info: dict[str, Any]) -> None:
         if not intake.armed:
@@ -431,28 +543,50 @@ class WeightOrchestrator:
         layout = [ParamLayout(n, wire.parse_dtype(d), tuple(s))
                   for n, d, s in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)]
         staging = StagingArea(layout)
+        self.drain_early(intake)
         t0 = time.perf_counter()
-        await asyncio.to_thread(receive_update, info["sender"], bytes.fromhex(info["session"]),
-                                intake.token, staging, info.get("checksum", "crc32"),
-                                float(info.get("timeout_s", 60.0)))
+        await receive_update_async(info["sender"], bytes.fromhex(info["session"]), intake.token,
+                                   staging, info.get("checksum", "crc32"),
+                                   float(info.get("timeout_s", 60.0)))
         intake.staged = dict(staging.items())
         intake.state.note("pushed", detail=f"{staging.total_bytes} bytes verified in "
                                            f"{time.perf_counter() - t0:.2f}s")
 
     async def finish(self, intake: PushIntake, version: str | None) -> RolloutState:
+        """Start the rollout of what was pushed. With a fan-out the trainer finishes every
+        intake (one per engine, plus the gateway's); the first call starts it, all wait for it."""
         state = intake.state
-        if intake.staged is None:
-            raise InvalidRequest("no verified weights staged: /update_weights first")
-        if state.version and version and version != state.version:
-            raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
-                                 param="weight_version")
-        state.version = state.version or version or ""
-        if not state.version or state.version in RESERVED_VERSIONS:
-            raise InvalidRequest("a push needs a version name (not 'base' or 'default')")
-        replicas = self.select(intake.request.tier)
-        self.intakes.pop(state.id, None)
-        state.state = "running"
-        await self._run(state, replicas, intake.staged, intake.request)
+        if intake.finishing is None:
+            try:
+                if intake.staged is None:
+                    raise InvalidRequest("no verified weights staged: /update_weights first")
+                if state.version and version and version != state.version:
+                    raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
+                                         param="weight_version")
+                state.version = state.version or version or ""
+                if not state.version or state.version in RESERVED_VERSIONS:
+                    raise InvalidRequest("a push needs a version name (not 'base' or 'default')")
+                replicas = self.select(intake.request.tier)
+            except APIError:
+                self.readmit_early(intake, "push refused")
+                raise
+            # The rollout drains its own first wave; only that wave may already be out.
+            urls = {r.url: r for r in replicas}
+            first = swap_waves(list(urls), lambda url: urls[url].tier)[0] \
+                if intake.request.mode == "rolling" else []
+            self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
+            state.state = "running"
+            staged = intake.sessions or None
+            async def roll() -> None:
+                await self._run(state, replicas, intake.staged, intake.request, staged=staged)
+                if staged:
+                    async with self.lock:
+                        await self._retire_token(replicas)
+
+            intake.finishing = self._spawn(roll())
+            # Late finish calls still find the intake; the weights it holds are on disk by now.
+            intake.finishing.add_done_callback(lambda _t: setattr(intake, "staged", None))
+        await asyncio.shield(intake.finishing)
         return state
 
     # -- rollback
@@ -535,7 +669,7 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
         if spec.version in RESERVED_VERSIONS:
             raise InvalidRequest(f"version {spec.version!r} is reserved", param="version")
         if spec.source == "push":
-            intake = orch.open_push(spec)
+            intake = await orch.open_push(spec)
             return json_response({"rollout": intake.state, **_targets(request, intake)}, 202)
         state = await orch.start_checkpoint(spec)
         return json_response({"rollout": state}, 200 if spec.wait else 202)
@@ -554,18 +688,24 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
             return json_response({"engines": [r.url for r in replicas], "push_token": orch.engine_token})
         current = orch.current
         intake = next(iter(orch.intakes.values()), None)
-        if intake is None or current is None or intake.state is not current:
-            intake = orch.open_push(WeightsRequest(tier=tier))
+        if (intake is None or current is None or intake.state is not current
+                or intake.state.state != "awaiting_push"):
+            intake = await orch.open_push(WeightsRequest(tier=tier))
         return json_response({**_targets(request, intake), "rollout": intake.state.id})
 
 
 def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:
-    base = str(request.base_url).rstrip("/")
-    return {"engines": [f"{base}/weights/intake/{intake.state.id}"], "push_token": intake.token}
+    base = f"{str(request.base_url).rstrip('/')}/weights/intake/{intake.state.id}"
+    # The gateway's own intake first: push() asks the first target for the serving dtype.
+    engines = [base] + [f"{base}/engine/{name}" for name in intake.engines]
+    return {"engines": engines, "push_token": intake.token}
 
 
 def build_intake_router(gw: "Gateway") -> APIRouter:
-    """The engine-shaped push intake. No admin credential: the push token authenticates."""
+    """The engine-shaped push intakes. No admin credential: the push token authenticates.
+
+    `/weights/intake/<id>/...` receives into the gateway; `/weights/intake/<id>/engine/<name>/...`
+    (fan-out) hands the stream to that engine. Both serve the same calls."""
     orch: WeightOrchestrator = gw.weights
     router = APIRouter(prefix="/weights/intake/{rollout_id}", include_in_schema=False)
 
@@ -576,49 +716,54 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
         except msgspec.DecodeError as exc:
             raise InvalidRequest(f"invalid JSON: {exc}") from None
 
-    @router.get("/health")
-    async def health(rollout_id: str) -> Response:
-        orch.intake(rollout_id)
+    async def health(rollout_id: str, engine: str = "") -> Response:
+        orch.intake(rollout_id, engine)
         return Response(status_code=200)
 
-    @router.get("/server_info")
-    async def server_info(rollout_id: str) -> Response:
+    async def server_info(rollout_id: str, engine: str = "") -> Response:
         # push() asks for the serving dtype; every replica serves the same model.
-        orch.intake(rollout_id)
-        url = next(iter(orch.fleet.replicas.values())).url
-        async with httpx.AsyncClient(timeout=10.0, verify=tls_context()) as http:
+        intake = orch.intake(rollout_id, engine)
+        url = intake.engines[engine].url if engine else next(iter(orch.fleet.replicas.values())).url
+        async with httpx.AsyncClient(timeout=60.0, verify=tls_context()) as http:  # see model_dtype
             resp = await http.get(url + "/server_info")
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
-    @router.post("/init_weight_transfer_engine")
-    async def init(rollout_id: str, request: Request) -> Response:
-        intake = orch.intake(rollout_id)
+    async def init(rollout_id: str, request: Request, engine: str = "") -> Response:
+        intake = orch.intake(rollout_id, engine)
         token = str((await body(request)).get("init_info", {}).get("token") or "")
         if not token or not hmac.compare_digest(token.encode(), intake.token.encode()):
             return _engine_error(PushRefused("wrong push token for this rollout"))
-        intake.armed = True
+        intake.armed = True  # fan-out engines were armed with this token when the intake opened
         return json_response({"status": "ok"})
 
-    @router.post("/start_weight_update")
-    async def start(rollout_id: str) -> Response:
-        orch.intake(rollout_id)
+    async def start(rollout_id: str, engine: str = "") -> Response:
+        intake = orch.intake(rollout_id, engine)
+        if engine:
+            try:
+                await orch.start_on_engine(intake, engine)
+            except Exception as exc:  # noqa: BLE001 - reported to the trainer
+                return _engine_error(exc)
         return json_response({"status": "ok"})
 
-    @router.post("/update_weights")
-    async def update(rollout_id: str, request: Request) -> Response:
-        intake = orch.intake(rollout_id)
+    async def update(rollout_id: str, request: Request, engine: str = "") -> Response:
+        intake = orch.intake(rollout_id, engine)
         try:
-            await orch.receive(intake, (await body(request))["update_info"])
+            info = (await body(request))["update_info"]
+            if engine:
+                await orch.stage_on_engine(intake, engine, info)
+            else:
+                await orch.receive(intake, info)
         except (PushRefused, KeyError, ValueError, TypeError) as exc:
+            orch.readmit_early(intake, "push refused")
             return _engine_error(exc)
         except Exception as exc:  # noqa: BLE001 - checksum / transfer: reported to the trainer
-            intake.state.note("push_failed", detail=f"{type(exc).__name__}: {exc}")
+            intake.state.note("push_failed", engine, f"{type(exc).__name__}: {exc}")
+            orch.readmit_early(intake, "push failed")
             return _engine_error(exc)
         return json_response({"status": "ok"})
 
-    @router.post("/finish_weight_update")
-    async def finish(rollout_id: str, request: Request) -> Response:
-        intake = orch.intake(rollout_id)
+    async def finish(rollout_id: str, request: Request, engine: str = "") -> Response:
+        intake = orch.intake(rollout_id, engine, finishing=True)
         state = await orch.finish(intake, (await body(request)).get("weight_version"))
         if state.state != "succeeded":
             return json_response({"error": {"message": f"rollout failed: {state.reason}",
@@ -626,13 +771,20 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
                                             "code": "rollout_failed"}}, 500)
         return json_response({"status": "ok", "rollout": state})
 
-    @router.post("/reset_prefix_cache")
-    async def reset(rollout_id: str) -> Response:
+    async def reset(rollout_id: str, engine: str = "") -> Response:
         # Each engine's cache was reset when its update landed; nothing is left to do.
         return json_response({"success": True})
 
-    @router.get("/weight_info")
-    async def weight_info(rollout_id: str) -> Response:
+    async def weight_info(rollout_id: str, engine: str = "") -> Response:
         return json_response({"weight_version": orch.current.version if orch.current else ""})
 
+    for prefix in ("", "/engine/{engine}"):
+        router.add_api_route(prefix + "/health", health, methods=["GET"])
+        router.add_api_route(prefix + "/server_info", server_info, methods=["GET"])
+        router.add_api_route(prefix + "/init_weight_transfer_engine", init, methods=["POST"])
+        router.add_api_route(prefix + "/start_weight_update", start, methods=["POST"])
+        router.add_api_route(prefix + "/update_weights", update, methods=["POST"])
+        router.add_api_route(prefix + "/finish_weight_update", finish, methods=["POST"])
+        router.add_api_route(prefix + "/reset_prefix_cache", reset, methods=["POST"])
+        router.add_api_route(prefix + "/weight_info", weight_info, methods=["GET"])
     return router

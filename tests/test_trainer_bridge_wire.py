@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -9,7 +10,13 @@ import torch
 
 from trainer_bridge import CheckpointStore, WeightSet, checkpoint_name
 from trainer_bridge.errors import ChecksumMismatch, PushRefused
-from trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
+from trainer_bridge.receiver import (
+    ParamLayout,
+    StagingArea,
+    StagingPool,
+    receive_update,
+    receive_update_async,
+)
 from trainer_bridge.sender import ChunkSender, StreamTarget
 
 
@@ -24,8 +31,21 @@ def _weights() -> WeightSet:
     )
 
 
+@pytest.fixture(params=["thread", "event_loop"])
+def receiver(request):
+    """Both receivers: the engine's (a thread) and the gateway's (inside an event loop)."""
+    return request.param
+
+
+def _receive(kind: str, *args) -> None:
+    if kind == "thread":
+        receive_update(*args)
+    else:
+        asyncio.run(receive_update_async(*args))
+
+
 def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrupt: int | None = None,
-              pool: StagingPool | None = None):
+              pool: StagingPool | None = None, kind: str = "thread"):
     """Run one stream; returns (staging, receiver exception, sender-side target)."""
     layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
     staging = StagingArea(layout, pool)
@@ -36,8 +56,8 @@ def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrup
 
         def receive() -> None:
             try:
-                receive_update(info["sender"], bytes.fromhex(info["session"]), receiver_token,
-                               staging, info["checksum"], 10)
+                _receive(kind, info["sender"], bytes.fromhex(info["session"]), receiver_token,
+                         staging, info["checksum"], 10)
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
@@ -48,9 +68,9 @@ def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrup
     return staging, (errors[0] if errors else None), target
 
 
-def test_stream_lands_every_byte_in_the_preallocated_buffers():
+def test_stream_lands_every_byte_in_the_preallocated_buffers(receiver):
     weights = _weights()
-    staging, error, target = _transfer(weights, "t", "t")
+    staging, error, target = _transfer(weights, "t", "t", kind=receiver)
     assert error is None and target.error is None
     for entry, (name, tensor) in zip(weights.entries, staging.items()):
         assert name == entry.name and tensor.dtype == entry.dtype
@@ -72,14 +92,14 @@ def test_registered_pool_is_reused_across_updates():
         assert torch.equal(tensor, entry.tensor)
 
 
-def test_flipped_byte_is_caught_on_both_ends():
-    staging, error, target = _transfer(_weights(), "t", "t", corrupt=3)
+def test_flipped_byte_is_caught_on_both_ends(receiver):
+    staging, error, target = _transfer(_weights(), "t", "t", corrupt=3, kind=receiver)
     assert isinstance(error, ChecksumMismatch)
     assert isinstance(target.error, ChecksumMismatch)
 
 
-def test_chunks_without_the_token_are_refused():
-    _, error, target = _transfer(_weights(), "wrong", "right")
+def test_chunks_without_the_token_are_refused(receiver):
+    _, error, target = _transfer(_weights(), "wrong", "right", kind=receiver)
     assert isinstance(error, PushRefused)
     assert isinstance(target.error, PushRefused)
 

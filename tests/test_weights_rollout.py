@@ -116,7 +116,11 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
 
     state = admin.get("/admin/weights").json()["rollout"]
     assert state["state"] == "succeeded" and state["version"] == NEW
-    assert [e["event"] for e in state["timeline"]].count("admitted") == len(stack.engines)
+    events = [e["event"] for e in state["timeline"]]
+    assert events.count("admitted") == len(stack.engines)
+    # Every engine runs the plugin, so the trainer streamed to each one directly (fan-out).
+    assert events.count("staging") == len(stack.engines) and "staged" not in events
+    assert len(report.engines) == len(stack.engines) + 1  # + the gateway's checkpoint copy
 
     # Prefix cache was reset by the update: the long prompt is computed afresh.
     usage = complete(engine, LONG_PROMPT, max_tokens=1).json()["usage"]

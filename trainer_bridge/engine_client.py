@@ -58,6 +58,10 @@ class EngineClient:
     def start_weight_update(self) -> None:
         self._call("POST", "/start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        """Like start_weight_update, but this session's weights go to the speculative draft model."""
+        self._call("POST", "/start_draft_weight_update")
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._call("POST", "/update_weights", json={"update_info": update_info})
 
@@ -97,7 +101,9 @@ class EngineClient:
         )
 
     def _server_config(self) -> str:
-        resp = self._http.get("/server_info", timeout=10.0)
+        # The first /server_info of an engine's life collects its system environment (vLLM's
+        # collect_env, cached afterwards): seconds, and more than 10 on a busy box.
+        resp = self._http.get("/server_info", timeout=60.0)
         if resp.status_code != 200:
             return ""
         return str(resp.json().get("vllm_config", ""))

@@ -76,8 +76,13 @@ def push(
     init: bool = True,
     config: BridgeConfig | None = None,
     corrupt_chunk: int | None = None,
+    draft: bool = False,
 ) -> PushReport:
     """Push weights to every engine (or every engine the gateway lists); all-or-raise.
+
+    `draft=True` pushes into each engine's speculative-decoding draft model instead (vLLM's
+    /start_draft_weight_update session; engines only, not through the gateway): the served
+    outputs stay the target model's, only the acceptance rate moves.
 
     `dtype`: wire/staging dtype; default is the first engine's serving dtype (vLLM on CPU serves
     fp32 checkpoints as bf16, so that halves the bytes). `init=False` skips arming the engine
@@ -86,6 +91,9 @@ def push(
     engines keep serving their previous weights and version.
     """
     cfg = config or BridgeConfig()
+    if draft and gateway is not None:
+        raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
+                         "rolls out served models only")
     if gateway is not None:
         listed, gateway_token = resolve_gateway_engines(gateway, token)
         engines = list(engines or []) + listed
@@ -98,7 +106,7 @@ def push(
         if dtype is None and not isinstance(model_or_state_dict, WeightSet):
             dtype = clients[0].model_dtype()
         weights = _weights(model_or_state_dict, dtype)
-        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk)
+        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk, draft)
     finally:
         for c in clients:
             c.close()
@@ -113,12 +121,13 @@ def _push(
     progress: bool,
     init: bool,
     corrupt_chunk: int | None,
+    draft: bool = False,
 ) -> PushReport:
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
         failures, transfer_seconds, _ = _stream(
             pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
-            label=version, corrupt_chunk=corrupt_chunk,
+            label=version, corrupt_chunk=corrupt_chunk, draft=draft,
         )
 
         def finish(client: EngineClient) -> None:
@@ -156,6 +165,7 @@ def _stream(
     progress: bool = False,
     label: str = "",
     corrupt_chunk: int | None = None,
+    draft: bool = False,
 ) -> tuple[dict[str, BaseException], float, dict[str, str]]:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
 
@@ -167,7 +177,7 @@ def _stream(
     def prepare(client: EngineClient) -> None:
         if init:
             client.init_weight_transfer_engine({"token": token})
-        client.start_weight_update()
+        (client.start_draft_weight_update if draft else client.start_weight_update)()
 
     for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
         try:

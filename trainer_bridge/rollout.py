@@ -21,7 +21,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
@@ -139,14 +139,23 @@ class Rollout:
         self._sessions: dict[str, str] = {}  # replica -> staged session awaiting its swap
         self._saving: asyncio.Future | None = None
 
-    async def run(self, weights: ModelLike, version: str) -> RolloutReport:
+    async def run(
+        self, weights: ModelLike, version: str, staged: Mapping[str, str] | None = None
+    ) -> RolloutReport:
+        """`staged`: replica -> session the trainer already streamed `weights` into (straight to
+        the engines, armed with `self.token`); those replicas skip token rotation and staging."""
         started = time.perf_counter()
         replicas = [r.rstrip("/") for r in self.fleet.replicas()]
         if not replicas:
             raise RolloutFailed("fleet has no replicas")
         wset = _weights(weights, None)
-        self._sessions = {}
+        self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
         self._saving = None
+        waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
+            if self.mode == "rolling" else []
+        # The first wave drains while the preparation below runs: its in-flight requests finish
+        # on the old weights meanwhile, and nothing of it is touched until both are done.
+        early = {r: asyncio.ensure_future(self._take_out(r)) for r in (waves[0] if waves else [])}
 
         # Nothing below touches what any replica serves, so it all overlaps: rotate the token and
         # stage the weights on every plugin engine, while the N-1 checkpoints are made sure of
@@ -165,6 +174,9 @@ class Rollout:
                                         return_exceptions=True)
         for result in prepared:
             if isinstance(result, BaseException):
+                await asyncio.gather(*early.values(), return_exceptions=True)
+                for r in early:  # untouched: they still serve the old version
+                    await self.fleet.set_routable(r, True)
                 await self._drop_staged()
                 served = prepared[0] if isinstance(prepared[0], dict) else {}
                 await self._saved(version, keep=version in served.values())
@@ -177,10 +189,10 @@ class Rollout:
         methods: dict[str, str] = {}
         try:
             if self.mode == "rolling":
-                tier = getattr(self.fleet, "tier", lambda _r: "")
-                for wave in swap_waves(replicas, tier):
+                for wave in waves:
                     outcomes = await asyncio.gather(
-                        *(self._swap(r, wset, version, token, touched, methods) for r in wave),
+                        *(self._swap(r, wset, version, token, touched, methods, early.pop(r, None))
+                          for r in wave),
                         return_exceptions=True,
                     )
                     for outcome in outcomes:
@@ -208,7 +220,11 @@ class Rollout:
 
     async def _prepare(self, replicas: list[str], wset: WeightSet) -> str:
         """Rotate the push token on every plugin engine, then stage `wset` on them (in parallel,
-        one serialization). -> the new token."""
+        one serialization). -> the new token. Replicas the trainer staged keep the current token."""
+        if self._sessions:
+            self._backends = {r: "yieldgate" for r in self._sessions}
+            assert self.token is not None, "pre-staged replicas are armed with the current token"
+            return self.token
         token = await self._rotate_token(replicas)
         targets = self._stage_targets(replicas)
         if targets:
@@ -226,9 +242,10 @@ class Rollout:
         return [r for r in replicas if self._backends.get(r) == "yieldgate"]
 
     async def _swap(self, replica: str, wset: WeightSet, version: str, token: str,
-                    touched: list[str], methods: dict[str, str]) -> None:
+                    touched: list[str], methods: dict[str, str],
+                    drained: asyncio.Future | None = None) -> None:
         try:
-            await self._take_out(replica)
+            await (drained if drained is not None else self._take_out(replica))
         except BaseException:
             await self.fleet.set_routable(replica, True)  # untouched: it still serves the old version
             raise
@@ -326,30 +343,8 @@ class Rollout:
             await self.fleet.set_routable(replica, True)
 
     async def _rotate_token(self, replicas: list[str]) -> str:
-        """Arm every plugin engine with a fresh token, in parallel; the arm call doubles as the
-        backend probe (an engine without our backend refuses the token's shape)."""
         token = make_push_token()
-
-        async def arm(replica: str) -> str | None:
-            try:
-                await asyncio.to_thread(_arm, replica, token, self.token)
-                return "yieldgate"
-            except EngineRequestError:
-                backend = await asyncio.to_thread(_backend, replica)
-                if backend == "yieldgate":
-                    raise
-                return backend
-
-        results = await asyncio.gather(*(arm(r) for r in replicas), return_exceptions=True)
-        self._backends = {r: b for r, b in zip(replicas, results) if not isinstance(b, BaseException)}
-        failed = [(r, e) for r, e in zip(replicas, results) if isinstance(e, BaseException)]
-        if failed:
-            armed = [r for r, b in self._backends.items() if b == "yieldgate"]
-            # Hand the engines that took the new token back to the old one (best effort).
-            await asyncio.gather(*(asyncio.to_thread(_quietly, _arm, r, self.token or token, token)
-                                   for r in armed if self.token))
-            replica, exc = failed[0]
-            raise RolloutFailed(f"arming failed: {type(exc).__name__}: {exc}", replica) from exc
+        self._backends = await rotate_push_token(replicas, token, self.token)
         self.token = token
         self._note("armed", detail="push token rotated on every engine")
         return token
@@ -362,6 +357,36 @@ class Rollout:
             self.store.adopt(version, self.store.base_model_dir)
             return
         log.warning("no checkpoint on disk for served version %r: rollback to it impossible", version)
+
+
+async def rotate_push_token(
+    replicas: Sequence[str], token: str, current: str | None
+) -> dict[str, str | None]:
+    """Arm every plugin engine with `token` (rotating from `current`), in parallel.
+    -> each replica's weight-transfer backend ("yieldgate", another, or None): the arm call
+    doubles as the probe, since an engine without our backend refuses the token's shape.
+    Raises RolloutFailed, after handing the engines that took `token` back to `current`."""
+
+    async def arm(replica: str) -> str | None:
+        try:
+            await asyncio.to_thread(_arm, replica, token, current)
+            return "yieldgate"
+        except EngineRequestError:
+            backend = await asyncio.to_thread(_backend, replica)
+            if backend == "yieldgate":
+                raise
+            return backend
+
+    results = await asyncio.gather(*(arm(r) for r in replicas), return_exceptions=True)
+    backends = {r: b for r, b in zip(replicas, results) if not isinstance(b, BaseException)}
+    failed = [(r, e) for r, e in zip(replicas, results) if isinstance(e, BaseException)]
+    if failed:
+        armed = [r for r, b in backends.items() if b == "yieldgate"]
+        if current:
+            await asyncio.gather(*(asyncio.to_thread(_quietly, _arm, r, current, token) for r in armed))
+        replica, exc = failed[0]
+        raise RolloutFailed(f"arming failed: {type(exc).__name__}: {exc}", replica) from exc
+    return backends
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:
