@@ -152,16 +152,10 @@ def receive_update(
         header = memoryview(bytearray(wire.CHUNK_HEADER.size))
         while True:
             wire.recv_exact(sock, header)
-            param, offset, length, expected, authentic = wire.unpack_chunk_header(
-                token, session, bytes(header)
-            )
-            if not authentic:
-                raise PushRefused("chunk without a valid push token")
-            if param == wire.END_PARAM:
-                if offset != staging.total_bytes:
-                    raise TransferError(f"sender sent {offset} bytes, expected {staging.total_bytes}")
+            chunk = _next_chunk(token, session, header, staging)
+            if chunk is None:
                 break
-            slot = staging.slot(param, offset, length)
+            param, slot, expected = chunk
             wire.recv_exact(sock, slot)
             verifier.jobs.put((staging.layout[param].name, slot, expected))
             if verifier.error is not None:
@@ -182,6 +176,20 @@ def receive_update(
     finally:
         verifier.jobs.put(None)
         sock.close()
+
+
+def _next_chunk(token: str, session: bytes, header: memoryview,
+                staging: StagingArea) -> tuple[int, memoryview, int] | None:
+    """A received chunk header -> (param, the staging slot its bytes go to, expected checksum), or
+    None at the end marker. Refuses unsigned chunks and a short stream."""
+    param, offset, length, expected, authentic = wire.unpack_chunk_header(token, session, bytes(header))
+    if not authentic:
+        raise PushRefused("chunk without a valid push token")
+    if param == wire.END_PARAM:
+        if offset != staging.total_bytes:
+            raise TransferError(f"sender sent {offset} bytes, expected {staging.total_bytes}")
+        return None
+    return param, staging.slot(param, offset, length), expected
 
 
 async def receive_update_async(
@@ -218,16 +226,10 @@ async def receive_update_async(
             while True:
                 async with asyncio.timeout(timeout_s):  # an idle timeout, as the socket one
                     await fill(header)
-                param, offset, length, expected, authentic = wire.unpack_chunk_header(
-                    token, session, bytes(header)
-                )
-                if not authentic:
-                    raise PushRefused("chunk without a valid push token")
-                if param == wire.END_PARAM:
-                    if offset != staging.total_bytes:
-                        raise TransferError(f"sender sent {offset} bytes, expected {staging.total_bytes}")
+                chunk = _next_chunk(token, session, header, staging)
+                if chunk is None:
                     break
-                slot = staging.slot(param, offset, length)
+                param, slot, expected = chunk
                 async with asyncio.timeout(timeout_s):
                     await fill(slot)
                 if verify(slot) != expected:
