@@ -257,7 +257,10 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     streams: list[tuple[int, str, bytes]] = []
     url = gw.url + "/v1/chat/completions"
     lock = threading.Lock()
-    live_on_victim = [0]  # streams currently being read from the replica about to be killed
+    # Start times of the streams being read from the replica about to be killed. A stream whose
+    # client is still reading may already be finished at the engine (the rest sits in socket
+    # buffers), so the kill waits for one that started moments ago: 2000 tokens take far longer.
+    live_on_victim: dict[tuple[int, int], float] = {}
 
     def unary_worker(i: int) -> None:
         with httpx.Client(timeout=120) as http:
@@ -281,16 +284,15 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
                             "model": "demo", "max_tokens": 2000, "ignore_eos": True, "stream": True,
                             "messages": [{"role": "user", "content": f"stream {i} {n}"}]}) as r:
                         replica = r.headers.get("x-yieldgate-replica", "")
-                        on_victim = replica == "chaos-0"
-                        if on_victim:
+                        key = (i, n)
+                        if replica == "chaos-0":
                             with lock:
-                                live_on_victim[0] += 1
+                                live_on_victim[key] = time.monotonic()
                         try:
                             streams.append((r.status_code, replica, r.read()))
                         finally:
-                            if on_victim:
-                                with lock:
-                                    live_on_victim[0] -= 1
+                            with lock:
+                                live_on_victim.pop(key, None)
                 except httpx.HTTPError as exc:
                     streams.append((0, "", repr(exc).encode()))
 
@@ -301,8 +303,13 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     try:
         victim = fleet.replicas["chaos-0"]
         # Kill only once a stream is mid-flight there (on a quiet machine streams finish quickly).
-        wait_until(lambda: live_on_victim[0] >= 1 and victim.inflight >= 2 and len(unary) >= 2, 90,
-                   "a stream and other load on the victim replica")
+        def fresh_stream_on_victim() -> bool:
+            with lock:
+                started = list(live_on_victim.values())
+            return any(time.monotonic() - t < 1.0 for t in started)
+
+        wait_until(lambda: fresh_stream_on_victim() and victim.inflight >= 2 and len(unary) >= 2, 90,
+                   "a stream that just started and other load on the victim replica", interval=0.05)
         inflight_at_kill = victim.inflight
         chaos_engine.sigkill()
         killed_at = time.monotonic()
@@ -314,6 +321,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
         stop.set()
         for t in threads:
             t.join(180)
+    assert not any(t.is_alive() for t in threads), "a client was still waiting 180 s after the load stopped"
 
     failed_unary = [u for u in unary if u[0] != 200]
     cut_streams = [s for s in streams if b'"upstream_error"' in s[2]]
@@ -329,7 +337,8 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
             error_event = [line for line in body.split(b"\n\n") if b'"error"' in line][0]
             assert error_event.startswith(b'data: {"error":{"message":')
             assert b'"type":"upstream_error","param":null,"code":"upstream_error"' in error_event
-    assert cut_streams, "a stream was in flight on the killed replica"
+    assert cut_streams, ("no stream was cut on the killed replica; streams there: "
+                         f"{[(status, body[-200:]) for status, replica, body in streams if replica == 'chaos-0']}")
 
     # Re-admission: the health check brings the replica back once it answers again.
     chaos_engine.start()
