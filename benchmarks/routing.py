@@ -14,6 +14,15 @@ tokens). The oracle for a real run is the simulator's oracle on the same salted 
 assistant answers of agent turns differ in words, not in length).
 (b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
 
+KV pressure (routing-kv192.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
+demo model, every prefix fits everywhere and round robin finds ~93% of the oracle's cached tokens too.
+The kv192 run capped both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
+replicas' args in routing-fleet.toml) with 16 tenants and one round per policy (interleaved rounds
+would let each policy's phase evict the others' blocks, which the simulator does not model):
+    python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
+        --rounds 1 --policies round_robin,cache_aware --out benchmarks/results/routing-kv192
+The simulated twin reads the engines' KV capacity from their /metrics.
+
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
 resamples where the policy is not worse: on 2 cores, one engine step stalled by another process moves
 a p90 of a few hundred requests by 100+ ms. Each closed-loop phase opens with `conc` requests sent at
@@ -103,9 +112,24 @@ def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: 
                                     scrape_interval_s=1.0))
 
 
-def real_workloads(seed: int) -> list[Any]:
+def engine_kv_blocks(url: str) -> int | None:
+    """The engine's KV capacity in blocks, from vLLM's `cache_config_info` metric."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info" and sample.labels.get("num_gpu_blocks", "").isdigit():
+                return int(sample.labels["num_gpu_blocks"])
+    return None
+
+
+def real_workloads(seed: int, tenants: int = 4) -> list[Any]:
     return [
-        SharedPrefixWorkload(seed=seed, tenants=4, prefix_tokens=600, users_per_tenant=8, user_context_tokens=32,
+        SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=600, users_per_tenant=8, user_context_tokens=32,
                              suffix_tokens=40, output_tokens=4, words_per_token=WORDS_PER_TOKEN),
         AgentSessionWorkload(seed=seed, system_tokens=300, first_user_tokens=100, turns_min=3, turns_max=5,
                              tool_output_tokens=100, followup_tokens=30, output_tokens=4,
@@ -128,7 +152,7 @@ def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, se
 
 
 async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: list[int], rounds: int,
-                       seed: int) -> dict[str, dict]:
+                       seed: int, tenants: int) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
     from loadtest import Runner, Target
@@ -137,7 +161,7 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
     runners: list[Any] = []
     for policy, gw in gateways.items():
         parts = []
-        for workload, n in zip(real_workloads(seed), sizes):
+        for workload, n in zip(real_workloads(seed, tenants), sizes):
             salt = CacheSalt.random()
             runner = Runner(Target(base_url=gw.url, model="demo", name=f"{policy}@c{conc}"), workload,
                             cache_salt=salt, seed=seed)
@@ -168,13 +192,17 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
 
 def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int,
              engines: list[tuple[str, str]], model_path: str, tokenizer: Any, seed: int,
-             rounds: int = 4, records_path: str = "") -> list[dict]:
+             rounds: int = 4, records_path: str = "", tenants: int = 4) -> list[dict]:
     import asyncio
 
     import tempfile
 
     rows: list[dict] = []
     workdir = Path(tempfile.mkdtemp(prefix="yg-routing-bench-"))
+    # The simulated twin gets the engines' real KV capacity (routing-fleet.toml caps it).
+    engine = msgspec.structs.replace(DEMO_ENGINE, kv_capacity_blocks=min(
+        engine_kv_blocks(url) or DEMO_ENGINE.kv_capacity_blocks for url, _ in engines))
+    print(f"real: engines hold {engine.kv_capacity_blocks} KV blocks each", flush=True)
     for conc in loads:
         clear_bench_index()
         gateways: dict[str, GatewayProcess] = {}
@@ -186,7 +214,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                                             data_dir=str(workdir / f"c{conc}-{policy}"))
                 gateways[policy] = GatewayProcess(config, workdir)
             time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
-            state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed))
+            state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed,
+                                             tenants))
         finally:
             for gw in gateways.values():
                 gw.stop()
@@ -211,7 +240,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 sim_cfg = SimConfig(policy=name, router=router, replicas=2, arrival="concurrency", concurrency=conc,
                                     requests=part["n"], phases=[n for n in phases if n > 0], seed=seed,
                                     cache_salt=part["salt"], scrape_interval_s=1.0,
-                                    engines=[DEMO_ENGINE, msgspec.structs.replace(DEMO_ENGINE, kv_events=False)])
+                                    engines=[engine, msgspec.structs.replace(engine, kv_events=False)])
                 sim_parts.append(run_simulation(part["workload"], sim_cfg,
                                                 prompts=PromptBuilder(tokenizer, part["salt"])))
             prompt = sum(r.prompt_tokens for r in records)
@@ -238,6 +267,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 "sim_cached_ratio": sim_cached / sim_prompt if sim_prompt else 0.0,
                 "sim_ratio_to_oracle": sim_cached / sim_oracle if sim_oracle else 1.0,
                 "sim_ttft_p90_ms": max(p.ttft_p90_s for p in sim_parts) * 1000,
+                "tenants": tenants, "kv_capacity_blocks": engine.kv_capacity_blocks,
             }
             rows.append(row)
             print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {row['sim_cached_ratio']:.1%}, "
@@ -401,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rates", default="50,100,200,300,400", help="simulated sessions/s")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; a policy may carry tier tuning: cache_aware+queued_request_blocks=8")
+    ap.add_argument("--tenants", type=int, default=4, help="real: tenants of the shared-prefix workload")
     ap.add_argument("--shared-requests", type=int, default=60, help="real: shared-prefix requests per policy and load")
     ap.add_argument("--agent-requests", type=int, default=30, help="real: agent-session turns per policy and load")
     ap.add_argument("--rounds", type=int, default=4, help="real: policies take turns this many times per load")
@@ -424,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         real = run_real(policies, loads, 12 if args.quick else args.shared_requests,
                         8 if args.quick else args.agent_requests,
                         [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed,
-                        rounds=args.rounds, records_path=args.records)
+                        rounds=args.rounds, records_path=args.records, tenants=args.tenants)
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
