@@ -34,6 +34,7 @@ Results: benchmarks/results/routing.json, routing.png, routing.html.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -112,6 +113,12 @@ def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: 
                                     scrape_interval_s=1.0))
 
 
+def _reset_prefix_cache(url: str) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30).read()
+
+
 def engine_kv_blocks(url: str) -> int | None:
     """The engine's KV capacity in blocks, from vLLM's `cache_config_info` metric."""
     import urllib.request
@@ -152,7 +159,7 @@ def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, se
 
 
 async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: list[int], rounds: int,
-                       seed: int, tenants: int) -> dict[str, dict]:
+                       seed: int, tenants: int, reset_urls: list[str]) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
     from loadtest import Runner, Target
@@ -176,6 +183,9 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
                     n = part["n"] // rounds + (1 if k < part["n"] % rounds else 0)
                     if n <= 0:
                         continue
+                    if reset_urls:  # --cold-phases: every phase starts on empty engine caches
+                        await asyncio.gather(*(asyncio.to_thread(_reset_prefix_cache, u) for u in reset_urls))
+                        await asyncio.sleep(0.3)  # the AllBlocksCleared events reach the gateways
                     _, records, duration = await part["runner"].run_phase(
                         ConcurrencyLoad(concurrency=conc), Bounds(requests=n, timeout_s=120))
                     ok = sorted((r for r in records if r.ok and not r.warmup), key=lambda r: r.start_s)
@@ -192,8 +202,7 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
 
 def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int,
              engines: list[tuple[str, str]], model_path: str, tokenizer: Any, seed: int,
-             rounds: int = 4, records_path: str = "", tenants: int = 4) -> list[dict]:
-    import asyncio
+             rounds: int = 4, records_path: str = "", tenants: int = 4, cold_phases: bool = False) -> list[dict]:
 
     import tempfile
 
@@ -215,7 +224,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 gateways[policy] = GatewayProcess(config, workdir)
             time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
             state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed,
-                                             tenants))
+                                             tenants, [url for url, _ in engines] if cold_phases else []))
         finally:
             for gw in gateways.values():
                 gw.stop()
@@ -239,8 +248,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 router = msgspec.convert({"policy": name, **overrides}, RouterConfig, strict=False)
                 sim_cfg = SimConfig(policy=name, router=router, replicas=2, arrival="concurrency", concurrency=conc,
                                     requests=part["n"], phases=[n for n in phases if n > 0], seed=seed,
-                                    cache_salt=part["salt"], scrape_interval_s=1.0,
-                                    engines=[engine, msgspec.structs.replace(engine, kv_events=False)])
+                                    cache_salt=part["salt"], scrape_interval_s=1.0, cold_phases=cold_phases,
+                                    engines=[msgspec.structs.replace(engine, kv_events=bool(kv)) for _, kv in engines])
                 sim_parts.append(run_simulation(part["workload"], sim_cfg,
                                                 prompts=PromptBuilder(tokenizer, part["salt"])))
             prompt = sum(r.prompt_tokens for r in records)
@@ -267,7 +276,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 "sim_cached_ratio": sim_cached / sim_prompt if sim_prompt else 0.0,
                 "sim_ratio_to_oracle": sim_cached / sim_oracle if sim_oracle else 1.0,
                 "sim_ttft_p90_ms": max(p.ttft_p90_s for p in sim_parts) * 1000,
-                "tenants": tenants, "kv_capacity_blocks": engine.kv_capacity_blocks,
+                "tenants": tenants, "kv_capacity_blocks": engine.kv_capacity_blocks, "cold_phases": cold_phases,
             }
             rows.append(row)
             print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {row['sim_cached_ratio']:.1%}, "
@@ -432,6 +441,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="comma-separated; a policy may carry tier tuning: cache_aware+queued_request_blocks=8")
     ap.add_argument("--tenants", type=int, default=4, help="real: tenants of the shared-prefix workload")
+    ap.add_argument("--cold-phases", action="store_true",
+                    help="real: reset both engines' prefix caches before every phase (the simulator does the same)")
     ap.add_argument("--shared-requests", type=int, default=60, help="real: shared-prefix requests per policy and load")
     ap.add_argument("--agent-requests", type=int, default=30, help="real: agent-session turns per policy and load")
     ap.add_argument("--rounds", type=int, default=4, help="real: policies take turns this many times per load")
@@ -455,7 +466,8 @@ def main(argv: list[str] | None = None) -> None:
         real = run_real(policies, loads, 12 if args.quick else args.shared_requests,
                         8 if args.quick else args.agent_requests,
                         [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed,
-                        rounds=args.rounds, records_path=args.records, tenants=args.tenants)
+                        rounds=args.rounds, records_path=args.records, tenants=args.tenants,
+                        cold_phases=args.cold_phases)
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)

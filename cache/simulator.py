@@ -81,6 +81,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     concurrency: int = 8
     requests: int = 1000  # turns sent (a multi-turn session sends one per turn)
     phases: list[int] = []  # split `requests` into successive load-test phases (sizes); [] = one
+    # Every phase after the first starts with empty engine caches (and oracle), as when the real
+    # benchmark resets each engine's prefix cache between phases (/reset_prefix_cache).
+    cold_phases: bool = False
     seed: int = 0
     cache_salt: str = ""  # loadtest CacheSalt.value in "prefix" mode: same prompts as a salted run
     session_ids: bool = False  # send the session id (x-session-id); the load tester does not
@@ -195,6 +198,13 @@ class KVCache:
         if fresh:
             self.on_store(fresh)
         return True
+
+    def clear(self) -> None:
+        """Drop every cached block nobody holds (vLLM's reset_prefix_cache)."""
+        if self.free:
+            removed = list(self.free)
+            self.free.clear()
+            self.on_remove(removed)
 
     def release(self, req: SimRequest) -> None:
         self.anon -= req.anon_blocks
@@ -389,6 +399,10 @@ class FleetSimulator:
         self._phase += 1
         if self._phase >= len(self._limits):
             return
+        if self._phase > 0 and self.config.cold_phases:
+            for replica in self.replicas:
+                replica.cache.clear()
+            self._oracle.clear()
         if self.config.arrival == "concurrency":
             for _ in range(max(1, self.config.concurrency)):
                 self._holders += 1

@@ -63,6 +63,21 @@ def test_one_replica_infinite_cache_reaches_the_oracle(prompts):
     assert r.evicted_blocks == 0
 
 
+def test_cold_phases_start_with_empty_caches_and_oracle(prompts):
+    """As the real benchmark resetting the engines' prefix caches between phases: the same
+    requests find fewer cached tokens, and the oracle (reset too) still bounds every policy."""
+    kw = dict(replicas=2, requests=120, phases=[40, 40, 40], arrival="concurrency", concurrency=2,
+              engine=EngineModel(kv_capacity_blocks=10**5))
+    warm = run_simulation(shared_prefix(), sim("cache_aware", **kw), prompts=prompts)
+    cold = run_simulation(shared_prefix(), sim("cache_aware", cold_phases=True, **kw), prompts=prompts)
+    assert cold.prompt_tokens == warm.prompt_tokens
+    assert cold.oracle_cached_tokens < warm.oracle_cached_tokens
+    assert cold.cached_tokens < warm.cached_tokens <= warm.oracle_cached_tokens
+    assert cold.cached_tokens <= cold.oracle_cached_tokens
+    # The prefix index heard the reset (KV events) and did not predict blocks that were dropped.
+    assert abs(cold.predicted_cached_tokens - cold.cached_tokens) <= 0.05 * cold.cached_tokens
+
+
 def test_lru_eviction_drops_oldest_unpinned_blocks_and_reports_them():
     stored: list[int] = []
     removed: list[int] = []
