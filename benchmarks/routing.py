@@ -17,10 +17,12 @@ assistant answers of agent turns differ in words, not in length).
 KV pressure (routing-kv192.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
 demo model, every prefix fits everywhere and round robin finds ~93% of the oracle's cached tokens too.
 The kv192 run capped both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
-replicas' args in routing-fleet.toml) with 16 tenants and one round per policy (interleaved rounds
-would let each policy's phase evict the others' blocks, which the simulator does not model):
+replicas' args in routing-fleet.toml), with 16 tenants, KV events from both engines, and both engines'
+prefix caches reset before every phase (otherwise each policy's phase evicts the others' blocks,
+and each phase would start on another policy's leftovers):
     python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
-        --rounds 1 --policies round_robin,cache_aware --out benchmarks/results/routing-kv192
+        --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
+        --out benchmarks/results/routing-kv192
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
