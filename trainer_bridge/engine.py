@@ -204,6 +204,8 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
             self._staged = staged
             return
         try:
+            if not update_info.extra.get("pipeline", True):
+                staged.wait(update_info.timeout_s)  # the whole stream verified before any load
             self._load_staged(staged, update_info.timeout_s)
         except BaseException:
             # A stream failure: its thread is sending the reason; a load failure: stop the stream.

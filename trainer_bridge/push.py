@@ -204,7 +204,8 @@ def _stream(
             target = targets[client.base_url]
             try:
                 info = sender.update_info(weights, target, cfg.stream_timeout_s)
-                client.update_weights({**info, "phase": phase})
+                extra = {} if cfg.pipeline_load else {"extra": {"pipeline": False}}
+                client.update_weights({**info, "phase": phase, **extra})
             except Exception as exc:
                 target.done.wait(1.0)  # let the writer record the stream-side reason first
                 target.fail(exc)
