@@ -6,7 +6,9 @@ backend, then measures in the same run:
   * stage: `stage()` -- the wire part of a push: stream + per-chunk xxh3 into the engine's
     registered buffers, verified, not loaded (what a rollout does while the engine serves);
   * push: `push_to_engine` -- one `/update_weights` round: stream + verify + load_weights
-    (vLLM's layerwise reload, which on CPU re-packs every linear layer for oneDNN);
+    (vLLM's layerwise reload, which on CPU re-packs every linear layer for oneDNN), each tensor
+    loaded as soon as it is verified; push_sequential: the same with the load only after the
+    whole stream is verified (`pipeline_load=False`), interleaved with it;
   * disk: write an HF checkpoint + `/collective_rpc reload_weights`, best of N.
 The first update after engine start registers (allocates and pre-faults) the staging memory;
 it is reported on its own and left out of the best-of-N figures.
@@ -157,12 +159,13 @@ def main() -> None:
     if args.engine is None:
         proc = start_engine(model_dir, args.port, log)
     cfg = BridgeConfig()
+    cfg_sequential = BridgeConfig(pipeline_load=False)
     wset = WeightSet.from_model(weights, dtype=torch.float32)
     try:
         token = "bench-" + os.urandom(4).hex()
         arm_engine(url, token)
         first = push_to_engine(url, weights, "bench-first", token=token, dtype=torch.float32, config=cfg)
-        tcp, stages, stage_walls, applies, pushes = [], [], [], [], []
+        tcp, stages, stage_walls, applies, pushes, sequential = [], [], [], [], [], []
         for i in range(args.repeats):
             tcp.append(loopback_gbps(total))
             started = time.perf_counter()
@@ -174,6 +177,9 @@ def main() -> None:
             applies.append(time.perf_counter() - started)
             report = push_to_engine(url, weights, f"bench-{i}", token=token, dtype=torch.float32, config=cfg)
             pushes.append(report.transfer_seconds)
+            report = push_to_engine(url, weights, f"bench-seq-{i}", token=token, dtype=torch.float32,
+                                    config=cfg_sequential)
+            sequential.append(report.transfer_seconds)
         reloads = []
         for i in range(args.repeats):
             started = time.perf_counter()
@@ -187,8 +193,9 @@ def main() -> None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
     # The engine logs its own split of every update: receive+verify, then load_weights.
-    engine_split = [(float(a), float(b)) for a, b in re.findall(
-        r"received\+verified in ([0-9.]+)s, loaded in ([0-9.]+)s", log.read_text())] if log.exists() else []
+    engine_split = [tuple(float(x) for x in m) for m in re.findall(
+        r"received\+verified in ([0-9.]+)s, loaded in ([0-9.]+)s \(([0-9.]+)s waiting for chunks; "
+        r"snapshot ([0-9.]+) MB in ([0-9.]+)s\)", log.read_text())] if log.exists() else []
 
     tcp_best = max(tcp)
     push_s, stage_s = min(pushes), min(stages)
@@ -210,6 +217,9 @@ def main() -> None:
         "disk_reload_seconds": round(reload_s, 3),
         "disk_total_seconds": round(write_s + reload_s, 3),
         "push_speedup_vs_disk": round((write_s + reload_s) / push_s, 2),
+        "push_sequential_seconds": round(min(sequential), 3),
+        "push_sequential_vs_loopback": round(total / min(sequential) / 1e9 / tcp_best, 3),
+        "all_push_sequential_seconds": [round(x, 3) for x in sequential],
         "all_loopback_gbps": [round(g, 3) for g in tcp],
         "all_stage_seconds": [round(x, 3) for x in stages],
         "all_stage_wall_seconds": [round(x, 3) for x in stage_walls],
@@ -217,7 +227,7 @@ def main() -> None:
         "all_push_seconds": [round(x, 3) for x in pushes],
         "median_push_seconds": round(statistics.median(pushes), 3),
         "all_disk_seconds": [[round(a, 3), round(b, 3)] for a, b in reloads],
-        "engine_receive_verify_load_seconds": [[round(a, 3), round(b, 3)] for a, b in engine_split],
+        "engine_receive_load_wait_snapshot": [[round(x, 3) for x in row] for row in engine_split],
         "cpus": os.cpu_count(),
         "load_avg_1m_start": load_start,
         "load_avg_1m_end": os.getloadavg()[0],
@@ -226,7 +236,9 @@ def main() -> None:
                  "verified, status back (stage_wall adds /start_weight_update and client set-up); "
                  "push = one /update_weights round: stream + verify + load_weights (layerwise reload, oneDNN "
                  "re-pack on CPU); first_push includes registering (allocating + pre-faulting) the "
-                 "staging memory; engine_receive_verify_load_seconds: the engine's own log split"),
+                 "staging memory; engine_receive_load_wait_snapshot: the engine's own log per update: "
+                 "receive+verify s, load s (from the first verified tensor, incl. waiting), of which "
+                 "waiting for chunks s, snapshot MB, snapshot s"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"weight_push-{time.strftime('%Y%m%d-%H%M%S')}.json"

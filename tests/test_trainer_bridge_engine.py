@@ -8,6 +8,7 @@ on port 8300 and stop it afterwards. Every test leaves the engine on known weigh
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +193,40 @@ def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weig
         push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5)
     assert engine_weight_version(url) == "base"
     assert text(url) == before
+
+
+def served_state(url: str) -> tuple[list, dict[str, str]]:
+    """What the engine computes (greedy tokens with their exact logprobs: every layer, including
+    the oneDNN-packed linears) and the digests of the parameters vLLM itself can checksum."""
+    resp = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3,
+    })
+    resp.raise_for_status()
+    logprobs = resp.json()["choices"][0]["logprobs"]
+    checksums = httpx.post(url + "/weight_checker", json={"action": "checksum"}, timeout=60)
+    checksums.raise_for_status()
+    return [logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]], checksums.json()["checksums"]
+
+
+def test_late_chunk_failure_restores_the_old_weights_exactly(on_base, base_weights):
+    """The engine loads tensors while later chunks still stream; a checksum failure on the last
+    chunk, after all the others were loaded, must leave it serving exactly the old weights."""
+    url = on_base
+    before = served_state(url)
+    chunks = sum(1 for e in WeightSet.from_model(base_weights).entries if e.nbytes)  # one per tensor here
+    with pytest.raises(ChecksumMismatch) as failure:
+        # Held back 1 s, so every earlier tensor has been loaded (and processed) by then.
+        push_to_engine(url, perturbed(base_weights, 10), "late-corrupt", token=TOKEN,
+                       corrupt_chunk=chunks - 1, corrupt_delay_s=1.0)
+    notes = " ".join(getattr(failure.value, "__notes__", []))
+    loaded = re.search(r"after loading (\d+) of (\d+) tensors", notes)
+    assert loaded is not None, notes
+    assert int(loaded[1]) >= chunks - 2 > 0  # the late chunk really came after the loads
+    assert engine_weight_version(url) == "base"
+    assert served_state(url) == before
+    # And the engine still takes the next push normally.
+    push_to_engine(url, perturbed(base_weights, 10), "after-restore", token=TOKEN)
+    assert served_state(url)[0] != before[0]
 
 
 def test_staged_weights_serve_only_once_applied(on_base, base_weights):

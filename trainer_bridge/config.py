@@ -19,3 +19,6 @@ class BridgeConfig(msgspec.Struct, kw_only=True):
     keep_versions: int = 3
     drain_timeout_s: float = 60.0
     verify_timeout_s: float = 60.0
+    # Load each tensor as soon as it is verified (True) or only once the whole stream is (False).
+    # Overlap needs a free core: on 2 cores the stream alone keeps both busy (see the benchmark).
+    pipeline_load: bool = True

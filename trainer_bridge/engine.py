@@ -2,8 +2,11 @@
 
 vLLM drives it through its own dev-mode endpoints (`/init_weight_transfer_engine`,
 `/start_weight_update`, `/update_weights`, `/finish_weight_update`). Each `/update_weights` call
-is one transaction: stage every parameter, verify every chunk, and only then load the weights,
-so a refused or corrupt push never reaches the live model.
+is one transaction: a background thread streams chunks into the staging buffers and verifies
+them, while the worker loads every parameter as soon as it is complete and verified. The worker
+is inside the call the whole time, so no forward pass runs on half-loaded weights; a failure at
+any point (a late chunk's checksum, a broken stream, load_weights itself) puts the snapshot of
+the old weights back (`ModelSnapshot`) before the call returns, so they serve exactly as before.
 
 A transaction can also be split in two (`phase`): "stage" returns at once and receives + verifies
 in a background thread while the engine keeps serving; "apply" (same session) waits for it and
@@ -29,8 +32,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from trainer_bridge import wire
-from trainer_bridge.errors import PushRefused, TransferError
+from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
 from trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
+from trainer_bridge.snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,6 +96,7 @@ class _StagedUpdate:
                 receive(self)
             except BaseException as exc:  # noqa: BLE001 - surfaced by wait()
                 self.error = exc
+                self.staging.fail(exc)
             self.seconds = time.perf_counter() - t0
 
         self._thread = threading.Thread(target=run, name="yieldgate-stage", daemon=True)
@@ -108,6 +113,13 @@ class _StagedUpdate:
             raise TransferError(f"staged update still receiving after {timeout_s:.0f}s")
         if self.error is not None:
             raise self.error
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Let the receive thread finish for up to `grace_s` (it may still be telling the sender
+        why the stream failed), then cancel whatever is left."""
+        if self._thread is not None:
+            self._thread.join(grace_s)
+        self.cancel()
 
     def cancel(self) -> None:
         if self._sock is not None:
@@ -186,15 +198,20 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
                 on_socket=update.on_socket,
             )
 
+        staged.start(receive)
         if update_info.phase == "stage":
             # Returns at once: the engine keeps serving while the chunks land and are verified.
             self._staged = staged
-            staged.start(receive)
             return
-        t0 = time.perf_counter()
-        receive(staged)
-        staged.seconds = time.perf_counter() - t0
-        self._load_staged(staged)
+        try:
+            if not update_info.extra.get("pipeline", True):
+                staged.wait(update_info.timeout_s)  # the whole stream verified before any load
+            self._load_staged(staged, update_info.timeout_s)
+        except BaseException:
+            # A stream failure: its thread is sending the reason; a load failure: stop the stream.
+            staged.close(grace_s=5.0 if staged.error is not None or staged.staging.failed else 0.0)
+            raise
+        staged.close()  # the receive thread is done (staged.wait succeeded)
 
     def _staging(self, update_info: YieldgateUpdateInfo) -> StagingArea:
         layout = [
@@ -210,18 +227,62 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
                 staged.cancel()
             raise TransferError("no staged update for this session: stage it first")
         staged.wait(update_info.timeout_s)
-        self._load_staged(staged)
+        self._load_staged(staged, update_info.timeout_s)
 
-    def _load_staged(self, staged: _StagedUpdate) -> None:
+    def _load_staged(self, staged: _StagedUpdate, timeout_s: float) -> None:
+        """Load each parameter once it is verified (all at once if staging already finished);
+        on any failure, the old weights are restored before this returns."""
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
         t0 = time.perf_counter()
-        self._load(staged.staging.items())
+        staging, items = staged.staging, staged.staging.items()
+        snapshot = ModelSnapshot(self.model)
+        snapshot_s = time.perf_counter() - t0
+        applied, waited = 0, 0.0
+        # The layerwise-reload lifecycle is what vLLM's own reload uses: it re-runs any
+        # post-load processing (quantization, repacking) per layer, once all its tensors are in.
+        initialize_layerwise_reload(self.model)
+        try:
+            while applied < len(items):
+                t_wait = time.perf_counter()
+                ready = staging.wait_ready(applied, timeout_s)
+                waited += time.perf_counter() - t_wait
+                self.model.load_weights(
+                    (n, t.to(self.device, non_blocking=True)) for n, t in items[applied:ready]
+                )
+                applied = ready
+            staged.wait(timeout_s)  # the stream's own end: status sent, no error
+            finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as exc:
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                snapshot.restore()
+            logger.warning(
+                "yieldgate: update failed after %d of %d tensors were loaded (%s); old weights restored",
+                applied, len(items), exc,
+            )
+            restored = f"engine restored its previous weights after loading {applied} of {len(items)} tensors"
+            if isinstance(exc, (ChecksumMismatch, PushRefused, TransferError)):
+                # The HTTP answer carries only the message: say there what the engine did.
+                raise type(exc)(f"{exc}; {restored}") from exc
+            if isinstance(exc, Exception):
+                exc.add_note(restored)
+            raise
         self.updates_applied += 1
         logger.info(
-            "yieldgate: %d tensors (%.1f MB) received+verified in %.3fs, loaded in %.3fs",
-            len(staged.staging.layout),
-            staged.staging.total_bytes / 1e6,
+            "yieldgate: %d tensors (%.1f MB) received+verified in %.3fs, loaded in %.3fs "
+            "(%.3fs waiting for chunks; snapshot %.1f MB in %.3fs)",
+            len(staging.layout),
+            staging.total_bytes / 1e6,
             staged.seconds,
             time.perf_counter() - t0,
+            waited,
+            snapshot.nbytes / 1e6,
+            snapshot_s,
         )
 
     def _discard_staged(self) -> None:
@@ -239,19 +300,6 @@ class YieldgateWeightTransferEngine(WeightTransferEngine[YieldgateInitInfo, Yiel
         if self._nccl is not None:
             self._nccl.shutdown()
             self._nccl = None
-
-    def _load(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        # The layerwise-reload lifecycle is what vLLM's own reload uses: it re-runs any
-        # post-load processing (quantization, repacking) so checkpoint-format tensors are safe.
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        device_items = ((n, t.to(self.device, non_blocking=True)) for n, t in items)
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(device_items)
-        finalize_layerwise_reload(self.model, self.model_config)
 
     # --- CUDA only: tensors that already live on GPUs travel by NCCL, not TCP. Untested here.
     def _init_nccl(self, fields: dict[str, Any]) -> None:

@@ -76,6 +76,7 @@ def push(
     init: bool = True,
     config: BridgeConfig | None = None,
     corrupt_chunk: int | None = None,
+    corrupt_delay_s: float = 0.0,
     draft: bool = False,
 ) -> PushReport:
     """Push weights to every engine (or every engine the gateway lists); all-or-raise.
@@ -86,7 +87,8 @@ def push(
 
     `dtype`: wire/staging dtype; default is the first engine's serving dtype (vLLM on CPU serves
     fp32 checkpoints as bf16, so that halves the bytes). `init=False` skips arming the engine
-    (it must already hold `token`). `corrupt_chunk` flips one byte after checksumming (tests).
+    (it must already hold `token`). `corrupt_chunk` flips one byte after checksumming, and
+    `corrupt_delay_s` holds that chunk back first so the engine loads what came before (tests).
     Raises PushFailed (with per-engine causes) if any engine did not take the update; those
     engines keep serving their previous weights and version.
     """
@@ -106,7 +108,8 @@ def push(
         if dtype is None and not isinstance(model_or_state_dict, WeightSet):
             dtype = clients[0].model_dtype()
         weights = _weights(model_or_state_dict, dtype)
-        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk, draft)
+        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk, draft,
+                     corrupt_delay_s)
     finally:
         for c in clients:
             c.close()
@@ -122,12 +125,13 @@ def _push(
     init: bool,
     corrupt_chunk: int | None,
     draft: bool = False,
+    corrupt_delay_s: float = 0.0,
 ) -> PushReport:
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
         failures, transfer_seconds, _ = _stream(
             pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
-            label=version, corrupt_chunk=corrupt_chunk, draft=draft,
+            label=version, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s, draft=draft,
         )
 
         def finish(client: EngineClient) -> None:
@@ -165,6 +169,7 @@ def _stream(
     progress: bool = False,
     label: str = "",
     corrupt_chunk: int | None = None,
+    corrupt_delay_s: float = 0.0,
     draft: bool = False,
 ) -> tuple[dict[str, BaseException], float, dict[str, str]]:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
@@ -190,13 +195,17 @@ def _stream(
     with ChunkSender(
         cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
     ) as sender:
-        targets = {c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk) for c in live}
+        targets = {
+            c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s)
+            for c in live
+        }
 
         def update(client: EngineClient) -> None:
             target = targets[client.base_url]
             try:
                 info = sender.update_info(weights, target, cfg.stream_timeout_s)
-                client.update_weights({**info, "phase": phase})
+                extra = {} if cfg.pipeline_load else {"extra": {"pipeline": False}}
+                client.update_weights({**info, "phase": phase, **extra})
             except Exception as exc:
                 target.done.wait(1.0)  # let the writer record the stream-side reason first
                 target.fail(exc)
@@ -215,7 +224,11 @@ def _stream(
             try:
                 fut.result()
             except BaseException as exc:  # noqa: BLE001
-                failures[url] = targets[url].error or exc
+                stream_error = targets[url].error
+                if stream_error is not None and stream_error is not exc:
+                    # The stream says why it broke; the engine's answer says what it did about it.
+                    stream_error.add_note(f"engine answered: {exc}")
+                failures[url] = stream_error or exc
             else:
                 if targets[url].error is not None:
                     failures[url] = targets[url].error
@@ -292,12 +305,13 @@ def push_to_engine(
     progress: bool = False,
     config: BridgeConfig | None = None,
     corrupt_chunk: int | None = None,
+    corrupt_delay_s: float = 0.0,
 ) -> PushReport:
     """One engine: arm, start, stream + verify + load, finish(version), reset prefix cache."""
     try:
         return push(
             state_dict, version, [engine_url], token=token, dtype=dtype, progress=progress,
-            init=init, config=config, corrupt_chunk=corrupt_chunk,
+            init=init, config=config, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s,
         )
     except PushFailed as exc:
         # One engine: surface its own cause (PushRefused, ChecksumMismatch, ...) directly.

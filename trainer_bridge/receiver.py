@@ -1,8 +1,8 @@
-"""Engine side of the data plane: stage a whole update into pre-allocated buffers, verify it.
+"""Engine side of the data plane: stage an update into pre-allocated buffers, verify it.
 
-Nothing here touches the live model. The engine only loads the staged tensors after every chunk
-has arrived, authenticated and checksummed, so a corrupt or unauthenticated push leaves the
-served weights exactly as they were.
+Nothing here touches the live model. The staging area tells a waiting loader which leading
+parameters have fully arrived and passed their checksums (`wait_ready`), so the engine can load
+them while later chunks still stream; it restores the old weights if a later chunk fails.
 """
 
 from __future__ import annotations
@@ -82,6 +82,12 @@ class StagingArea:
                 offset += _aligned(n)
         self.views = [wire.byte_view(t) for t in self.tensors]
         self.filled = [0] * len(layout)
+        # Parameters [0, ready) are complete and verified; empty ones never get a chunk.
+        self._verified = [len(v) == 0 for v in self.views]
+        self._ready = 0
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._advance()
 
     @property
     def total_bytes(self) -> int:
@@ -107,21 +113,60 @@ class StagingArea:
     def items(self) -> list[tuple[str, torch.Tensor]]:
         return [(p.name, t) for p, t in zip(self.layout, self.tensors)]
 
+    def _advance(self) -> None:
+        while self._ready < len(self._verified) and self._verified[self._ready]:
+            self._ready += 1
+
+    def mark_verified(self, param: int) -> None:
+        """Every chunk of `param` arrived and matched its checksum."""
+        with self._changed:
+            self._verified[param] = True
+            self._advance()
+            self._changed.notify_all()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def fail(self, exc: BaseException) -> None:
+        with self._changed:
+            self._error = exc
+            self._changed.notify_all()
+
+    def wait_ready(self, have: int, timeout_s: float) -> int:
+        """Block until more than `have` leading parameters are verified; -> how many are.
+        Raises the receive error, or TransferError if nothing moves for `timeout_s`."""
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: self._error is not None or self._ready > have, timeout_s
+            ):
+                raise TransferError(f"no parameter verified for {timeout_s:.0f}s")
+            if self._error is not None:
+                raise self._error
+            return self._ready
+
 
 class _Verifier(threading.Thread):
     """Checksums chunk k while the socket receives chunk k+1 (both release the GIL)."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, staging: StagingArea) -> None:
         super().__init__(name="yieldgate-verify", daemon=True)
+        self.staging = staging
         self.checksum = wire.CHECKSUMS[algorithm]
-        self.jobs: queue.SimpleQueue[tuple[str, memoryview, int] | None] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[int, memoryview, int, bool] | None] = queue.SimpleQueue()
         self.error: ChecksumMismatch | None = None
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            name, view, expected = job
-            if self.error is None and self.checksum(view) != expected:
-                self.error = ChecksumMismatch(f"checksum mismatch in a chunk of {name}")
+            param, view, expected, last = job
+            if self.error is not None:
+                continue
+            if self.checksum(view) != expected:
+                self.error = ChecksumMismatch(
+                    f"checksum mismatch in a chunk of {self.staging.layout[param].name}")
+                self.staging.fail(self.error)  # a loader waiting on this parameter stops now
+            elif last:
+                self.staging.mark_verified(param)
 
 
 def receive_update(
@@ -135,7 +180,8 @@ def receive_update(
 ) -> None:
     """Connect to the trainer's sender, stream every chunk into `staging`, verify all of it.
 
-    Raises PushRefused / ChecksumMismatch / TransferError; on success `staging` is complete.
+    Raises PushRefused / ChecksumMismatch / TransferError (and fails `staging` with it, waking a
+    loader in `wait_ready`); on success `staging` is complete and every parameter is ready.
     `on_socket` receives the connected socket (shutting it down cancels the transfer).
     """
     if checksum not in wire.CHECKSUMS:
@@ -145,7 +191,7 @@ def receive_update(
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if on_socket is not None:
         on_socket(sock)
-    verifier = _Verifier(checksum)
+    verifier = _Verifier(checksum, staging)
     verifier.start()
     try:
         sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, session))
@@ -157,7 +203,8 @@ def receive_update(
                 break
             param, slot, expected = chunk
             wire.recv_exact(sock, slot)
-            verifier.jobs.put((staging.layout[param].name, slot, expected))
+            last = staging.filled[param] == len(staging.views[param])
+            verifier.jobs.put((param, slot, expected, last))
             if verifier.error is not None:
                 raise verifier.error
         verifier.jobs.put(None)
@@ -168,6 +215,7 @@ def receive_update(
             raise TransferError(f"{len(missing)} parameter(s) incomplete, e.g. {missing[0]}")
         wire.send_status(sock, True)
     except Exception as exc:
+        staging.fail(exc)
         try:
             wire.send_status(sock, False, f"{type(exc).__name__}: {exc}")
         except OSError:

@@ -12,6 +12,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,11 +26,13 @@ _SOCK_BUF = 8 << 20
 
 @dataclass
 class StreamTarget:
-    """One engine receiving the stream. `corrupt_chunk` flips a byte in that chunk (tests)."""
+    """One engine receiving the stream. `corrupt_chunk` flips a byte in that chunk, sent after
+    `corrupt_delay_s` (tests)."""
 
     token: str
     session: bytes = field(default_factory=lambda: os.urandom(wire.SESSION_BYTES))
     corrupt_chunk: int | None = None
+    corrupt_delay_s: float = 0.0
     bytes_sent: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -193,6 +196,7 @@ class ChunkSender:
                     target.token, target.session, param, offset, len(payload), crc
                 )
                 if seq == target.corrupt_chunk and len(payload):
+                    time.sleep(target.corrupt_delay_s)
                     bad = bytearray(payload)
                     bad[len(bad) // 2] ^= 0xFF  # flipped after the checksum was taken
                     payload = memoryview(bad)
