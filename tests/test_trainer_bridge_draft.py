@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engines import start_engine, stop_engine, wait_healthy
 from trainer_bridge import EngineClient, arm_engine, engine_weight_version, push
 
 pytestmark = pytest.mark.engine
@@ -37,43 +34,15 @@ def draft_engine(tmp_path_factory):
     model_dir = ensure_demo_model()
     log_path = tmp_path_factory.mktemp("tb-draft") / "engine.log"
     spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "demo",
-        "--host", "127.0.0.1", "--port", str(PORT),
-        "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "2048",
-        "--weight-transfer-config", '{"backend":"yieldgate"}',
-        "--speculative-config", json.dumps(spec),
-    ]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind")
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = start_engine(model_dir, PORT, log_path, "--max-model-len", "2048",
+                        "--speculative-config", json.dumps(spec))
     url = f"http://127.0.0.1:{PORT}"
     try:
-        _wait_healthy(url, proc, log_path)
+        wait_healthy(url, proc, log_path)
         arm_engine(url, TOKEN)
         yield url, Path(model_dir)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"engine exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    pytest.fail(f"engine at {url} not healthy after {timeout_s}s")
+        stop_engine(proc)
 
 
 def _counter(url: str, name: str) -> float:

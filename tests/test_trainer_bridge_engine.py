@@ -2,17 +2,13 @@
 
 Uses the session `stack`'s standard engine (it runs the yieldgate backend), borrowing the push
 token from the gateway; only if that engine lacks the backend does it start one engine of its own
-on port 8300 and stop it afterwards. Every test leaves the engine on known weights.
+on port base + 300 and stop it afterwards. Every test leaves the engine on known weights.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -34,50 +30,17 @@ from trainer_bridge import (
     reload_from_checkpoint,
     stage,
 )
+from engines import start_engine, stop_engine, wait_healthy
 from trainer_bridge.checkpoint import CheckpointStore
 from trainer_bridge.rollout import EngineFleet, Rollout
 
 pytestmark = pytest.mark.engine
 
-OWN_PORT = 8300
+OWN_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")) + 300
 TOKEN = "tb-test-token-" + os.urandom(4).hex()
 PROMPT = "Once upon a time"
 # Long enough to fill several 32-token blocks, so a repeat would hit the prefix cache.
 LONG_PROMPT = " ".join(f"The quick brown fox number {i} jumps over the lazy dog." for i in range(30))
-
-
-def _start_own_engine(model_dir: Path, log_path: Path) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_SERVER_DEV_MODE="1",
-        PYTHONHASHSEED="0",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-    )
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "demo",
-        "--host", "127.0.0.1", "--port", str(OWN_PORT),
-        "--gpu-memory-utilization", "0.3", "--block-size", "32", "--max-model-len", "4096",
-        "--enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--weight-transfer-config", '{"backend":"yieldgate"}',
-    ]
-    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen | None, log_path: Path | None, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"engine exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    pytest.fail(f"engine at {url} not healthy after {timeout_s}s")
 
 
 def _stack_engine(request) -> tuple[str, Path, str] | None:
@@ -111,13 +74,14 @@ def engine(request, tmp_path_factory):
     if found is None:
         model_dir = ensure_demo_model()
         log_path = tmp_path_factory.mktemp("tb-engine") / "engine.log"
-        proc = _start_own_engine(model_dir, log_path)
+        proc = start_engine(model_dir, OWN_PORT, log_path, "--max-model-len", "4096",
+                            "--enable-prefix-caching", "--enable-prompt-tokens-details")
         url = f"http://127.0.0.1:{OWN_PORT}"
         try:
-            _wait_healthy(url, proc, log_path)
+            wait_healthy(url, proc, log_path)
             arm_engine(url, TOKEN)
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_engine(proc)
             raise
     else:
         url, model_dir, gateway_token = found
@@ -129,11 +93,7 @@ def engine(request, tmp_path_factory):
             reload_from_checkpoint(url, model_dir, "default")
             arm_engine(url, gateway_token, current_token=TOKEN)
         else:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_engine(proc)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,52 @@
+"""A vLLM engine a test module starts for itself (the session stack's engines come from conftest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def start_engine(model_dir: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen:
+    """`vllm serve` of the demo model on the CPU backend with the `yieldgate` weight-transfer plugin."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONHASHSEED="0",
+               VLLM_CPU_OMP_THREADS_BIND="nobind")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", "demo",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--gpu-memory-utilization", "0.3", "--block-size", "32",
+        "--weight-transfer-config", '{"backend":"yieldgate"}', *args,
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, log_path: Path | None, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path is not None else ""
+            pytest.fail(f"engine exited {proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    pytest.fail(f"engine at {url} not healthy after {timeout_s}s")
+
+
+def stop_engine(proc: subprocess.Popen) -> None:
+    """SIGTERM the engine's process group; SIGKILL if it has not gone within a minute."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
