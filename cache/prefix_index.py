@@ -356,20 +356,36 @@ class SharedPrefixIndex:
         pipe = self.redis.pipeline(transaction=False)
         now = time.time()
         touched: set[str] = set()
+        # One ZADD per replica for a run of records (a batch holds one op per routed request, and
+        # each command costs redis-py tens of µs); a remove or clear of that replica goes after
+        # the adds queued before it, so Redis ends in the same state as op by op.
+        adds: dict[str, dict[bytes, float]] = {}
+
+        def queue_adds(replica: str) -> None:
+            members = adds.pop(replica, None)
+            if members:
+                pipe.zadd(self._key(replica), members)
+
         for op in ops:
             key = self._key(op.replica)
             if op.kind in (_RECORD, _STORE) and op.hashes:
                 # Head of the prefix newest, as in PrefixIndex._touch.
                 n = len(op.hashes)
-                pipe.zadd(key, {self._member(h): now + (n - i) * 1e-6 for i, h in enumerate(op.hashes)})
+                members = adds.setdefault(op.replica, {})
+                for i, h in enumerate(op.hashes):
+                    members[self._member(h)] = now + (n - i) * 1e-6  # a later add of a block wins
                 touched.add(op.replica)
             elif op.kind == _REMOVE and op.hashes:
+                queue_adds(op.replica)
                 pipe.zrem(key, *[self._member(h) for h in op.hashes])
             elif op.kind == _CLEAR:
+                queue_adds(op.replica)
                 pipe.delete(key)
             elif op.kind == _CAPACITY:
                 pipe.hset(f"{self.config.redis_key_prefix}:capacity", op.replica, op.capacity)
                 touched.add(op.replica)
+        for replica in list(adds):
+            queue_adds(replica)
         for replica in touched:  # same LRU bound in Redis as locally
             pipe.zremrangebyrank(self._key(replica), 0, -self.local.capacity(replica) - 1)
         pipe.publish(self.channel, self._encoder.encode(ops))

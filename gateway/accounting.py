@@ -303,12 +303,15 @@ class Accounting:
         return bool(self._admin_token) and hmac.compare_digest(token.encode(), self._admin_token)
 
     async def authenticate(self, request: Request) -> ApiKey | None:
-        """The API key of an inference request; None for an anonymous request in open mode.
+        """The API key of an inference request; None for an anonymous request in open mode."""
+        return await self.authenticate_header(dict(request.scope["headers"]).get(b"authorization"))
+
+    async def authenticate_header(self, raw: bytes | None) -> ApiKey | None:
+        """The API key named by a raw Authorization header value (None: no header).
 
         yg- secrets are always checked (a typo'd or revoked key fails loudly instead of running
         unbudgeted). Other bearer tokens are ignored in open mode (OpenAI clients always send
         one), so anonymous requests never cost a Redis round trip."""
-        raw = dict(request.scope["headers"]).get(b"authorization")
         header = raw.decode("latin-1") if raw else ""
         token = header[7:].strip() if header[:7].lower() == "bearer " else ""
         if token and self.is_admin_token(token):

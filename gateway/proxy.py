@@ -16,8 +16,10 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
+
+from pricing import ApiKey
 
 from serving.fleet import Fleet, Replica
 from serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
@@ -28,6 +30,7 @@ from .config import Config
 from .errors import (APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ServiceUnavailable,
                      UpstreamError, error_body, param_from_msgspec)
 from .limits import StreamLimiter, stream_owner
+from .responses import JSONReply
 from .routing import Routing
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .sse import DONE, EventSplitter, data_event, events
@@ -64,18 +67,24 @@ class Proxy:
 
     # -- request parsing -------------------------------------------------------------------------
 
-    async def read_body(self, request: Request, headers: dict[bytes, bytes]) -> bytes:
+    async def read_body(self, receive: Any, headers: dict[bytes, bytes]) -> bytes:
+        """The request body from ASGI messages, refused past max_body_bytes."""
         limit = self.config.limits.max_body_bytes
         declared = headers.get(b"content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise PayloadTooLarge(f"Request body exceeds {limit} bytes.")
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def parse(self, kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
         if not body:
@@ -105,12 +114,13 @@ class Proxy:
 
     # -- the request path ------------------------------------------------------------------------
 
-    async def handle(self, kind: str, request: Request) -> Response:
+    async def handle(self, kind: str, scope: Any, receive: Any, key: ApiKey | None) -> Response:
+        """One inference request, straight from its ASGI scope; `key` is the authenticated API key."""
         started = time.perf_counter()
         # One pass over the raw header list (ASGI names are lower-case); Starlette's Headers
         # would scan and decode the whole list again for every lookup.
-        headers = dict(request.scope["headers"])
-        body = await self.read_body(request, headers)
+        headers = dict(scope["headers"])
+        body = await self.read_body(receive, headers)
         raw, typed = self.parse(kind, body)
         model, tier = resolve_tier(typed.model, typed.service_tier)
         if model != self.fleet.config.model:
@@ -119,7 +129,7 @@ class Proxy:
             request_id=_request_id(headers),
             kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
             session_id=_header(headers, b"x-session-id") or typed.user or "",
-            key=getattr(request.state, "api_key", None),
+            key=key,
             max_tokens=typed.output_limit, typed=typed,
         )
         await self.accounting.admit(ctx)
@@ -138,7 +148,8 @@ class Proxy:
             payload = _encode(raw)
         try:
             if typed.stream:
-                owner = stream_owner(ctx.key, request.client.host if request.client else None)
+                client = scope.get("client")
+                owner = stream_owner(ctx.key, client[0] if client else None)
                 return await self._stream(ctx, typed, payload, want_usage, owner)
             return await self._unary(ctx, typed, payload)
         except BaseException:
@@ -221,7 +232,7 @@ class Proxy:
             raise UpstreamError("Upstream replica sent an unreadable answer.") from None
         extra = self.accounting.finish(ctx, usage, "ok")
         self._decorate(answer, ctx, usage, extra)
-        return Response(_encode(answer), media_type="application/json", headers=self._headers(ctx, extra))
+        return JSONReply(_encode(answer), self._headers(ctx))
 
     async def _stream(self, ctx: RequestContext, typed: Any, payload: bytes, want_usage: bool,
                       owner: str) -> Response:
@@ -257,11 +268,11 @@ class Proxy:
             if not ctx.finished:
                 self.accounting.finish(ctx, usage, status)
 
-        return _RelayResponse(
-            self._relay(ctx, replica, resp, want_usage, end), end,
-            media_type="text/event-stream",
-            headers={**self._headers(ctx, None), "cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
+        response = _RelayResponse(self._relay(ctx, replica, resp, want_usage, end), end,
+                                  media_type="text/event-stream")
+        response.raw_headers += self._headers(ctx)
+        response.raw_headers += _STREAM_HEADERS
+        return response
 
     async def _relay(self, ctx: RequestContext, replica: Replica, resp: UpstreamResponse,
                      want_usage: bool, end: Callable[[str, Usage | None], None]) -> AsyncIterator[bytes]:
@@ -325,17 +336,21 @@ class Proxy:
             details["cached_tokens"] = usage.cached_tokens
             wire.update(extra)
 
-    def _headers(self, ctx: RequestContext, extra: dict[str, Any] | None) -> dict[str, str]:
-        headers = {
-            "x-request-id": ctx.request_id,
-            "x-yieldgate-tier": ctx.tier,
-            "x-yieldgate-replica": ctx.replica_name,
-            "x-yieldgate-weight-version": ctx.weight_version,
-            "x-yieldgate-predicted-cached-tokens": str(ctx.predicted_cached_tokens),
-        }
+    def _headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+        """The x-yieldgate-* response headers, as the raw ASGI list."""
+        headers = [
+            (b"x-request-id", ctx.request_id.encode("latin-1")),
+            (b"x-yieldgate-tier", ctx.tier.encode("latin-1")),
+            (b"x-yieldgate-replica", ctx.replica_name.encode("latin-1")),
+            (b"x-yieldgate-weight-version", ctx.weight_version.encode("latin-1")),
+            (b"x-yieldgate-predicted-cached-tokens", b"%d" % ctx.predicted_cached_tokens),
+        ]
         if ctx.cost_header:
-            headers["x-yieldgate-cost-usd"] = ctx.cost_header
+            headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
         return headers
+
+
+_STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 
 class _RelayResponse(StreamingResponse):

@@ -271,6 +271,34 @@ async def _shared_index_scenario(clients: list, prefix: str) -> None:
         await b.close()
 
 
+async def test_a_write_batch_leaves_redis_as_op_by_op_writes_do() -> None:
+    """Records of one replica are merged into one ZADD per batch; removes and clears in between
+    must still apply to exactly the blocks added before them."""
+    client = aioredis.Redis.from_url(REDIS_URL)
+    prefixes = ("yg-test-batch-a", "yg-test-batch-b")
+    try:
+        states = []
+        for prefix, one_by_one in zip(prefixes, (False, True)):
+            index = SharedPrefixIndex(client, PrefixIndexConfig(redis_key_prefix=prefix))
+            index.set_capacity("r1", 100)
+            index.record("r1", [1, 2, 3, 5])
+            index.record("r2", [7, 8])
+            index.remove("r1", [2, 5])
+            index.record("r1", [2, 4])
+            index.clear("r2")
+            index.record("r2", [9])
+            ops, index._pending = index._pending, []
+            for batch in ([[op] for op in ops] if one_by_one else [ops]):
+                await index._write(batch)
+            states.append([sorted(await client.zrange(f"{prefix}:r:{r}", 0, -1)) for r in ("r1", "r2")])
+        assert states[0] == states[1] == [[b"1", b"2", b"3", b"4"], [b"9"]]
+    finally:
+        for prefix in prefixes:
+            async for key in client.scan_iter(match=prefix + ":*"):
+                await client.delete(key)
+        await client.aclose()
+
+
 async def test_kv_subscriber_applies_events_and_resyncs_after_restart() -> None:
     """A local PUB socket speaks vLLM's wire format; simulates gaps and an engine restart."""
     from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch

@@ -9,6 +9,7 @@ generous "arrivals are spread out" check.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from serving.config import FleetConfig, ReplicaConfig, TierConfig
 ROOT = Path(__file__).resolve().parents[1]
 ITL_MS = 50
 TOKENS = 8
+MAX_BODY = 64 * 1024
 
 
 def _free_port() -> int:
@@ -67,7 +69,7 @@ def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
     """An in-process gateway whose one-replica fleet is the fake upstream (round robin: no tokenizer)."""
     config = Config(
         server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
-        limits=LimitsConfig(streams_per_key=1000),
+        limits=LimitsConfig(streams_per_key=1000, max_body_bytes=MAX_BODY),
         fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
                           tiers={"standard": TierConfig(policy="round_robin")}),
     )
@@ -107,6 +109,75 @@ async def test_stream_is_relayed_chunk_by_chunk(hot_gateway):
     assert spread_ms >= (TOKENS - 1) * ITL_MS / 3, spread_ms
     distinct = {round(t * 1000 / (ITL_MS / 2)) for t in arrivals}
     assert len(distinct) >= TOKENS // 2
+
+
+def _connection(url: str) -> http.client.HTTPConnection:
+    host, port = url.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=10)
+
+
+def _post(conn: http.client.HTTPConnection, body: bytes | list[bytes]) -> tuple[http.client.HTTPResponse, bytes]:
+    """POST on one kept-alive connection; a list body goes out in HTTP chunks, one per item."""
+    chunked = isinstance(body, list)
+    headers = {"content-type": "application/json"}
+    if chunked:
+        headers["transfer-encoding"] = "chunked"
+    conn.request("POST", "/v1/chat/completions", body=iter(body) if chunked else body, headers=headers,
+                 encode_chunked=chunked)
+    resp = conn.getresponse()
+    return resp, resp.read()
+
+
+CHAT = b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+
+def test_unary_answers_share_one_client_connection(hot_gateway):
+    conn = _connection(hot_gateway.url)
+    try:
+        sockets = set()
+        for body in (CHAT, [CHAT[:10], CHAT[10:40], CHAT[40:]], CHAT):  # whole, then in three chunks
+            resp, data = _post(conn, body)
+            sockets.add(id(conn.sock))
+            assert resp.status == 200, data
+            assert resp.getheader("content-type") == "application/json"
+            assert int(resp.getheader("content-length")) == len(data)
+            answer = json.loads(data)
+            assert answer["usage"]["cost"]["currency"] == "USD"
+            assert resp.getheader("x-yieldgate-tier") == "standard"
+            assert resp.getheader("x-yieldgate-replica") == "fake-0"
+            assert resp.getheader("x-request-id") and resp.getheader("x-yieldgate-cost-usd")
+            assert resp.getheader("x-yieldgate-predicted-cached-tokens") == "0"
+        assert len(sockets) == 1 and conn.sock is not None  # kept alive across all three
+    finally:
+        conn.close()
+
+
+def test_errors_are_openai_shaped_and_keep_the_connection(hot_gateway):
+    conn = _connection(hot_gateway.url)
+    try:
+        cases = [
+            (b'{"model": "demo", "messages": [', 400, "invalid_json"),
+            (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', 404, "model_not_found"),
+            (b'{"model": "demo", "messages": []}', 400, None),
+            ([b'{"model": "demo", "messages": [{"role": "user", "content": "', b"x" * MAX_BODY, b'"}]}'],
+             413, "payload_too_large"),
+        ]
+        sockets = set()
+        for body, status, code in cases:
+            resp, data = _post(conn, body)
+            assert resp.status == status, data
+            assert resp.getheader("content-type") == "application/json"
+            error = json.loads(data)["error"]
+            assert error["message"] and error["type"] == "invalid_request_error" and "param" in error
+            if code:
+                assert error["code"] == code
+            if status != 413:  # a body refused half-read may cost the connection
+                sockets.add(id(conn.sock))
+        assert len(sockets) == 1
+        resp, data = _post(conn, CHAT)
+        assert resp.status == 200, data
+    finally:
+        conn.close()
 
 
 def _last_request(url: str) -> bytes:

@@ -1,0 +1,28 @@
+"""A JSON answer for the inference hot path.
+
+Starlette's Response builds its header list from a dict on every request (lower-casing, encoding,
+guessing a charset); the proxy already knows its headers as bytes, so it hands over the list itself.
+It is still a Starlette Response, so FastAPI routes and exception handlers can return it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from starlette.responses import Response
+
+_JSON = (b"content-type", b"application/json")
+
+
+class JSONReply(Response):
+    media_type = "application/json"
+
+    def __init__(self, body: bytes, headers: Sequence[tuple[bytes, bytes]] = (), status_code: int = 200):
+        self.body = body
+        self.status_code = status_code
+        self.background = None
+        self.raw_headers = [(b"content-length", b"%d" % len(body)), _JSON, *headers]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
