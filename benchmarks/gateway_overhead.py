@@ -42,7 +42,8 @@ PY = sys.executable
 LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", "/tmp/litellm-venv"))
 LITELLM_SPEC = "litellm[proxy]==1.108.*"
 MODEL_PATH = ""  # set in main(): the generated demo model (its tokenizer drives cache-aware routing)
-REDIS_URL = "redis://127.0.0.1:6379/12"
+# YIELDGATE_BENCH_REDIS_URL: one Redis DB per engineer on a shared machine.
+REDIS_URL = os.environ.get("YIELDGATE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
 KEY_PREFIX = "ygbench:"
 MASTER_KEY = "sk-bench-master-key"
 ADMIN_TOKEN = "bench-admin-token"

@@ -92,3 +92,59 @@ def test_advisor_reports_per_key_and_stays_bounded():
 def test_diagnose_handles_sizes(n):
     toks = list(range(n))
     assert diagnose(toks, toks + [1]).kind == "none"
+
+
+def _reference_diagnose(prev, cur, window=8, min_lost=32):
+    """The advisor's original pure-Python walk (a dict of token tuples), kept as the oracle."""
+    p = common_prefix_len(prev, cur)
+    if p >= len(prev):
+        return (p, 0, "none")
+    starts = {}
+    for j in range(p, len(cur) - window + 1):
+        starts.setdefault(tuple(cur[j:j + window]), j)
+    lost, shifts, i = 0, [], p
+    while i <= len(prev) - window:
+        j = starts.get(tuple(prev[i:i + window]))
+        if j is None:
+            i += 1
+            continue
+        k = window
+        while i + k < len(prev) and j + k < len(cur) and prev[i + k] == cur[j + k]:
+            k += 1
+        shifts.append(j - i)
+        lost += k
+        i += k
+    kind = ("edited" if lost < min_lost else
+            "volatile_span" if len(set(shifts)) <= 2 and all(abs(s) <= 64 for s in shifts) else "reordered")
+    return (p, lost, kind)
+
+
+def test_vectorised_diagnosis_matches_the_pure_python_walk():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        vocab = rng.choice((3, 50, 50_000))  # tiny vocabularies repeat windows inside a prompt
+        prev = [rng.randrange(vocab) for _ in range(rng.randrange(0, 400))]
+        cur = list(prev)
+        for _ in range(rng.randrange(1, 4)):  # volatile spans, moved chunks, appends, deletions
+            a = rng.randrange(len(cur) + 1)
+            b = min(len(cur), a + rng.randrange(0, 80))
+            op = rng.randrange(4)
+            if op == 0:
+                cur[a:b] = [rng.randrange(vocab) for _ in range(b - a)]
+            elif op == 1:
+                chunk = cur[a:b]
+                del cur[a:b]
+                at = rng.randrange(len(cur) + 1)
+                cur[at:at] = chunk
+            elif op == 2:
+                cur += [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            else:
+                del cur[a:b]
+        d = diagnose(prev, cur)
+        assert (d.position, d.lost_tokens, d.kind) == _reference_diagnose(prev, cur), (prev, cur)
+    # Non-integer items (e.g. block content hashes as bytes) are compared by their hash.
+    blocks = [bytes([i]) * 8 for i in range(60)]
+    d = diagnose(blocks, [b"x" * 8] + blocks[1:])
+    assert (d.position, d.lost_tokens, d.kind) == _reference_diagnose(blocks, [b"x" * 8] + blocks[1:])
