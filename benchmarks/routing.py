@@ -23,6 +23,9 @@ and each phase would start on another policy's leftovers):
     python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
         --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
         --out benchmarks/results/routing-kv192
+routing-kv192-big: the same (round robin vs cache_aware) with a 28 MB generated model (hidden 384,
+4 layers: `DemoModelSpec(hidden_size=384, intermediate_size=1024, num_layers=4, num_heads=6,
+num_kv_heads=2)`, same tokenizer) as the fleet's `model_path`, where prefill costs ~0.1 ms per token.
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
