@@ -135,15 +135,10 @@ def engine_kv_blocks(url: str) -> int | None:
     """The engine's KV capacity in blocks, from vLLM's `cache_config_info` metric."""
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from serving.fleet import parse_engine_metrics
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:cache_config_info" and sample.labels.get("num_gpu_blocks", "").isdigit():
-                return int(sample.labels["num_gpu_blocks"])
-    return None
+        return parse_engine_metrics(resp.read().decode())[1]
 
 
 def real_workloads(seed: int, tenants: int = 4) -> list[Any]:
