@@ -259,7 +259,8 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     lock = threading.Lock()
     # Start times of the streams being read from the replica about to be killed. A stream whose
     # client is still reading may already be finished at the engine (the rest sits in socket
-    # buffers), so the kill waits for one that started < 3 s ago: 2000 tokens take longer.
+    # buffers), so the kill waits for one that started < 2 s ago: 4000 tokens take longer (2000
+    # took ~3 s on a quiet machine).
     live_on_victim: dict[tuple[int, int], float] = {}
 
     def unary_worker(i: int) -> None:
@@ -281,7 +282,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
                 n += 1
                 try:
                     with http.stream("POST", url, json={
-                            "model": "demo", "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                            "model": "demo", "max_tokens": 4000, "ignore_eos": True, "stream": True,
                             "messages": [{"role": "user", "content": f"stream {i} {n}"}]}) as r:
                         replica = r.headers.get("x-yieldgate-replica", "")
                         key = (i, n)
@@ -306,7 +307,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
         def fresh_stream_on_victim() -> bool:
             with lock:
                 started = list(live_on_victim.values())
-            return any(time.monotonic() - t < 3.0 for t in started)
+            return any(time.monotonic() - t < 2.0 for t in started)
 
         wait_until(lambda: fresh_stream_on_victim() and victim.inflight >= 2 and len(unary) >= 2, 180,
                    "a stream that just started and other load on the victim replica", interval=0.05)
