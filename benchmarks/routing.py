@@ -23,13 +23,13 @@ and each phase would start on another policy's leftovers):
     python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
         --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
         --out benchmarks/results/routing-kv192
-routing-kv192-big: the same (round robin vs cache_aware) with a 28 MB generated model as the fleet's
-`model_path` (`model_path = "<dir>"` under [fleet]; prefill ~0.1 ms per token, 3x the tiny model's; same tokenizer):
-    python -c "from serving.demo_model import DemoModelSpec as S, ensure_demo_model as e; print(e(spec=S(
-        hidden_size=384, intermediate_size=1024, num_layers=4, num_heads=6, num_kv_heads=2)))"
-routing-kv192-t6 (the headline real run): that fleet (192 blocks, 28 MB model) with 6 tenants and 480
-requests per policy and load, so that fewer requests are cold under any policy (with 16 tenants,
-41-59% were, and a p90 is then a cold request's TTFT whatever the policy):
+routing-kv192-big: the same (round robin vs cache_aware) with a 28 MB generated model (prefill ~0.1 ms
+per token, 3x the tiny model's; same tokenizer): the fleet file examples/routing-fleet-kv192.toml
+(192 blocks per engine, `[fleet.demo_model]` with hidden 384, 4 layers).
+routing-kv192-t6 (the headline real run): that fleet with 6 tenants and 480 requests per policy and
+load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% were, and a p90 is then
+a cold request's TTFT whatever the policy):
+    yieldgate up -c examples/routing-fleet-kv192.toml
     python benchmarks/routing.py --no-sim --tenants 6 --shared-requests 360 --agent-requests 120 \
         --rounds 6 --cold-phases --policies round_robin,cache_aware \
         --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing-kv192-t6

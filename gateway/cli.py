@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import msgspec
 import typer
 from rich.console import Console
 
@@ -54,12 +55,15 @@ def _serve(config: Config) -> None:
 @model_app.command("make")
 def model_make(
     out: Optional[Path] = typer.Option(None, help="Directory to write; default: the model cache."),
-    seed: int = typer.Option(0, help="Seed for weights."),
+    seed: Optional[int] = typer.Option(None, help="Seed for weights (default: the config's, 0)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config: its [fleet.demo_model] shape."),
 ) -> None:
     """Write the deterministic demo model (tiny Llama + byte-level BPE) in Hugging Face format."""
-    from serving.demo_model import DemoModelSpec, ensure_demo_model, files_digest, make_demo_model
+    from serving.demo_model import ensure_demo_model, files_digest, make_demo_model
 
-    spec = DemoModelSpec(seed=seed)
+    spec = _load(config).fleet.demo_model
+    if seed is not None:
+        spec = msgspec.structs.replace(spec, seed=seed)
     path = make_demo_model(out, spec) if out else ensure_demo_model(spec=spec)
     console.print(f"demo model: {path}\nsha256 of files: {files_digest(path)}")
     print(path)
@@ -87,7 +91,7 @@ def up(
     model_path = str(model or cfg.fleet.model_path or "")
     if not model_path:
         console.print("preparing the demo model ...")
-        model_path = str(ensure_demo_model())
+        model_path = str(ensure_demo_model(spec=cfg.fleet.demo_model))
     cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
     launcher = Launcher(cfg.fleet, model_path, log_dir)

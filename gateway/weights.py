@@ -266,7 +266,7 @@ class WeightOrchestrator:
             model_dir = self.gw.config.fleet.model_path
             if not model_dir:
                 from serving.demo_model import ensure_demo_model
-                model_dir = str(ensure_demo_model())
+                model_dir = str(ensure_demo_model(spec=self.gw.config.fleet.demo_model))
             self._store = CheckpointStore(self.root / "versions", model_dir, keep=self.bridge.keep_versions)
         return self._store
 

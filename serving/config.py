@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 
+from .demo_model import DemoModelSpec
+
 TIERS = ("standard", "fast")
 
 
@@ -79,6 +81,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = "demo"           # the name clients send; engines serve it as --served-model-name
     model_path: str = ""          # HF directory launched replicas load; "" = the generated demo model
+    demo_model: DemoModelSpec = DemoModelSpec()  # that generated model's shape (seed, sizes)
     block_size: int = 32          # KV block size in tokens (a multiple of 32 on CPU)
     tiers: dict[str, TierConfig] = {}
     replicas: list[ReplicaConfig] = []

@@ -12,11 +12,10 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .config import home_dir
+import msgspec
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -45,8 +44,9 @@ CHAT_TEMPLATE = (
 )
 
 
-@dataclass(frozen=True)
-class DemoModelSpec:
+class DemoModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The generated model's shape; also `[fleet.demo_model]` in the config (a bigger model for benchmarks)."""
+
     seed: int = 0
     vocab_size: int = 1024
     hidden_size: int = 128
@@ -59,11 +59,13 @@ class DemoModelSpec:
     @property
     def key(self) -> str:
         """Directory name: changes whenever anything that shapes the files changes."""
-        blob = json.dumps(self.__dict__, sort_keys=True).encode() + _corpus_bytes()
+        blob = json.dumps(msgspec.structs.asdict(self), sort_keys=True).encode() + _corpus_bytes()
         return f"demo-llama-s{self.seed}-{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
 def default_cache_dir() -> Path:
+    from .config import home_dir  # serving.config holds a DemoModelSpec itself
+
     return home_dir() / "models"
 
 

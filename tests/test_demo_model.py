@@ -14,3 +14,26 @@ def test_other_seed_gives_other_weights(tmp_path):
     base = ensure_demo_model()
     assert (other / "tokenizer.json").read_bytes() == (base / "tokenizer.json").read_bytes()
     assert (other / "model.safetensors").read_bytes() != (base / "model.safetensors").read_bytes()
+
+
+def test_fleet_config_names_a_bigger_generated_model(tmp_path):
+    """examples/routing-fleet-kv192.toml serves a generated 28 MB model: its shape lives in the config."""
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    from gateway.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_config(root / "examples" / "routing-fleet-kv192.toml", env={}).fleet.demo_model
+    assert (spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_heads) == (384, 1024, 4, 6)
+    assert spec.key != DemoModelSpec().key
+    made = make_demo_model(tmp_path / "big", spec)
+    config = json.loads((made / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (384, 4, 6)
+
+    typo = tmp_path / "typo.toml"
+    typo.write_text("[fleet.demo_model]\nhiden_size = 384\n")
+    with pytest.raises(ConfigError, match="hiden_size"):
+        load_config(typo, env={})
