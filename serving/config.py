@@ -89,6 +89,10 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     demo_base_port: int = 8101
     demo_engine_args: list[str] = []
     health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    # A probe that times out ejects a healthy replica only after this many in a row: a busy engine on a
+    # loaded host stalls for seconds (9 s seen at load 10), a dead one refuses the connection at once.
+    health_timeouts_to_eject: int = 3
     scrape_interval_s: float = 2.0
     log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
 
@@ -103,6 +107,8 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
         for r in self.replicas:
             if r.tier not in TIERS:
                 raise ValueError(f"replica {r.name!r}: unknown tier {r.tier!r} (one of {TIERS})")
+        if self.health_timeouts_to_eject < 1:
+            raise ValueError("health_timeouts_to_eject must be at least 1")
         if self.block_size <= 0 or self.block_size % 16:
             raise ValueError("block_size must be a positive multiple of 16")
 

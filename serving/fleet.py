@@ -44,6 +44,7 @@ class Replica:
     kv_capacity_blocks: int | None = None
     last_health_at: float = 0.0
     consecutive_failures: int = 0
+    probe_timeouts: int = 0        # health probes in a row that timed out
 
     @property
     def name(self) -> str:
@@ -92,7 +93,7 @@ class Fleet:
         return [r for r in self.replicas.values() if r.routable]
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s))
         await self.check_health()
         await self.scrape()
         self._tasks = [
@@ -123,8 +124,16 @@ class Fleet:
         try:
             async with self._session.get(replica.url + "/health") as resp:
                 ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
+            replica.probe_timeouts += 1
+            if replica.healthy and replica.probe_timeouts < self.config.health_timeouts_to_eject:
+                log.info("replica %s: health probe timed out (%d in a row)", replica.name, replica.probe_timeouts)
+                return
             ok = False
+        except (aiohttp.ClientError, OSError):
+            ok = False
+        else:
+            replica.probe_timeouts = 0
         if ok and not replica.healthy:
             await self._read_weight_version(replica)
         self.set_health(replica, ok)

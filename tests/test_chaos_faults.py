@@ -235,6 +235,41 @@ def test_slow_client_does_not_make_the_gateway_buffer(stack, chaos_engine, gatew
     assert held < 2_000_000 and held < total / 2
 
 
+# -- an engine that stalls ---------------------------------------------------------------------
+
+def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, chaos_engine, gateway_factory):
+    """A busy engine on a loaded host can stall for seconds; one slow /health must not eject it (a
+    tier with one replica would answer 503s meanwhile), several in a row must."""
+    config = gateway_config(stack, ("chaos-0", chaos_engine.url))
+    config.fleet.health_timeout_s, config.fleet.health_timeouts_to_eject = 0.5, 4
+    gw = gateway_factory(config)
+    victim = gw.gateway.fleet.replicas["chaos-0"]
+    wait_until(lambda: victim.healthy, 20, "the replica healthy")
+    group = chaos_engine.launcher.engines[0].process.pid
+    answers: list[int] = []
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        # A request that arrives during the stall waits for the engine instead of failing.
+        waiting = threading.Thread(target=lambda: answers.append(httpx.post(
+            gw.url + "/v1/completions", timeout=120,
+            json={"model": "demo", "prompt": "stalled", "max_tokens": 3}).status_code))
+        waiting.start()
+        seen_while_healthy = set()
+        deadline = time.monotonic() + 30
+        while victim.healthy and time.monotonic() < deadline:
+            seen_while_healthy.add(victim.probe_timeouts)
+            time.sleep(0.05)
+        assert not victim.healthy, "a replica that stops answering must be ejected"
+        assert {1, 2, 3} <= seen_while_healthy, seen_while_healthy  # three timeouts in a row were tolerated
+        assert victim.probe_timeouts >= 4
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    wait_until(lambda: victim.healthy, 30, "the gateway to re-admit the resumed replica")
+    assert victim.probe_timeouts == 0
+    waiting.join(120)
+    assert answers == [200]
+
+
 # -- an engine that dies under load --------------------------------------------------------------
 
 def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
