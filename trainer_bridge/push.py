@@ -37,6 +37,7 @@ class PushReport(msgspec.Struct):
     bytes_per_engine: int
     seconds: float
     transfer_seconds: float  # /update_weights round: stream + verify + load_weights
+    transports: dict[str, str] = {}  # engine URL -> "shm" (same host, in place) | "tcp"
 
     @property
     def gb_per_s(self) -> float:
@@ -129,9 +130,11 @@ def _push(
 ) -> PushReport:
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
+        transports: dict[str, str] = {}
         failures, transfer_seconds, _ = _stream(
             pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
             label=version, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s, draft=draft,
+            transports=transports,
         )
 
         def finish(client: EngineClient) -> None:
@@ -154,6 +157,7 @@ def _push(
         bytes_per_engine=weights.total_bytes,
         seconds=time.perf_counter() - started,
         transfer_seconds=transfer_seconds,
+        transports=transports,
     )
 
 
@@ -171,6 +175,7 @@ def _stream(
     corrupt_chunk: int | None = None,
     corrupt_delay_s: float = 0.0,
     draft: bool = False,
+    transports: dict[str, str] | None = None,
 ) -> tuple[dict[str, BaseException], float, dict[str, str]]:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
 
@@ -193,7 +198,8 @@ def _stream(
 
     transfer_started = time.perf_counter()
     with ChunkSender(
-        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
+        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s,
+        cfg.shared_memory,
     ) as sender:
         targets = {
             c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s)
@@ -235,6 +241,8 @@ def _stream(
         if bar is not None:
             bar.close()
     sessions = {url: t.session.hex() for url, t in targets.items() if url not in failures}
+    if transports is not None:
+        transports.update({url: t.transport for url, t in targets.items() if t.transport})
     return failures, time.perf_counter() - transfer_started, sessions
 
 
