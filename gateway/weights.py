@@ -136,9 +136,11 @@ class RolloutFleet:
     """trainer_bridge's `Fleet` over gateway replicas: routable -> `admitted`, in-flight -> the
     gateway's own count (a drained replica has no request of ours left on it)."""
 
-    def __init__(self, replicas: list[Replica], state: RolloutState) -> None:
+    def __init__(self, replicas: list[Replica], state: RolloutState,
+                 serving: ServingFleet | None = None) -> None:
         self.by_url = {r.url: r for r in replicas}
         self.state = state
+        self.serving = serving
         self.verified: dict[str, str] = {}  # url -> engine version read by the rollout's verify
 
     def replicas(self) -> list[str]:
@@ -146,6 +148,18 @@ class RolloutFleet:
 
     def tier(self, replica: str) -> str:
         return self.by_url[replica].tier
+
+    def weight_version(self, replica: str) -> str:
+        """The engine's version as last read or verified (the label every response carries)."""
+        return engine_label(self.by_url[replica].weight_version)
+
+    def hold(self) -> None:
+        if self.serving is not None:
+            self.serving.hold()
+
+    def release(self) -> None:
+        if self.serving is not None:
+            self.serving.release()
 
     async def set_routable(self, replica: str, routable: bool) -> None:
         r = self.by_url[replica]
@@ -425,7 +439,7 @@ class WeightOrchestrator:
         async with self.lock:
             state.state = "running"
             state.note("start", detail=f"{len(replicas)} replica(s), mode {request.mode}")
-            fleet = RolloutFleet(replicas, state)
+            fleet = RolloutFleet(replicas, state, self.fleet)
             evaluate = self._canary(request.canary, state) if request.canary else None
             rollout = GatewayRollout(fleet, self.store, state, checkpoint=checkpoint, mode=request.mode,
                                      evaluate=evaluate, config=self.bridge,
@@ -681,16 +695,19 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
         return json_response({"rollout": state}, 200 if state.state == "succeeded" else 500)
 
     @router.get("/weight_targets")
-    async def weight_targets(request: Request, direct: bool = False, tier: str | None = None) -> Response:
+    async def weight_targets(request: Request, direct: bool = False, tier: str | None = None,
+                             mode: str = "rolling") -> Response:
         if direct:
             replicas = orch.select(tier)
             await orch.ensure_armed(replicas)
             return json_response({"engines": [r.url for r in replicas], "push_token": orch.engine_token})
+        if mode not in ("rolling", "all_at_once"):
+            raise InvalidRequest(f"unknown mode {mode!r}: rolling | all_at_once", param="mode")
         current = orch.current
         intake = next(iter(orch.intakes.values()), None)
         if (intake is None or current is None or intake.state is not current
-                or intake.state.state != "awaiting_push"):
-            intake = await orch.open_push(WeightsRequest(tier=tier))
+                or intake.state.state != "awaiting_push" or intake.request.mode != mode):
+            intake = await orch.open_push(WeightsRequest(tier=tier, mode=mode))  # type: ignore[arg-type]
         return json_response({**_targets(request, intake), "rollout": intake.state.id})
 
 

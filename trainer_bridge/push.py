@@ -52,14 +52,17 @@ def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
     return WeightSet.from_model(model, dtype=dtype)
 
 
-def resolve_gateway_engines(gateway: str, admin_token: str | None) -> tuple[list[str], str | None]:
+def resolve_gateway_engines(
+    gateway: str, admin_token: str | None, mode: str = "rolling"
+) -> tuple[list[str], str | None]:
     """Ask the gateway which engines take pushes and which push token is current.
 
-    Contract (gateway side): `GET /admin/weight_targets` -> {"engines": [url...], "push_token": str}.
+    Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once` ->
+    {"engines": [url...], "push_token": str}.
     """
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0,
-                     verify=tls_context())
+                     params={"mode": mode}, verify=tls_context())
     resp.raise_for_status()
     body = resp.json()
     return list(body["engines"]), body.get("push_token")
@@ -79,8 +82,13 @@ def push(
     corrupt_chunk: int | None = None,
     corrupt_delay_s: float = 0.0,
     draft: bool = False,
+    mode: str = "rolling",
 ) -> PushReport:
     """Push weights to every engine (or every engine the gateway lists); all-or-raise.
+
+    `mode` (through a gateway): how the gateway swaps the pushed weights in, "rolling" (one
+    wave of replicas at a time, the others serve) or "all_at_once" (every replica drains
+    together while the gateway holds new requests; one drain instead of one per wave).
 
     `draft=True` pushes into each engine's speculative-decoding draft model instead (vLLM's
     /start_draft_weight_update session; engines only, not through the gateway): the served
@@ -98,7 +106,7 @@ def push(
         raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
                          "rolls out served models only")
     if gateway is not None:
-        listed, gateway_token = resolve_gateway_engines(gateway, token)
+        listed, gateway_token = resolve_gateway_engines(gateway, token, mode)
         engines = list(engines or []) + listed
         token = gateway_token or token
     if not engines:
