@@ -266,6 +266,7 @@ class WeightOrchestrator:
         self.history: list[RolloutState] = []
         self.intakes: dict[str, PushIntake] = {}
         self._armed: dict[str, bool] = {}  # engine URL -> runs our backend, armed with engine_token
+        self._dtype: str | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
@@ -303,6 +304,17 @@ class WeightOrchestrator:
         if token and token != self._engine_token:
             self._engine_token = token
             (self.root / "engine_push_token").write_text(token)
+
+    async def serving_dtype(self) -> str | None:
+        """The dtype the engines serve in, asked once (every replica serves the same model)."""
+        if self._dtype is None:
+            for r in self.fleet.replicas.values():
+                if r.healthy:
+                    with EngineClient(r.url, 30.0) as client:
+                        dtype = await asyncio.to_thread(client.model_dtype)
+                    self._dtype = wire.dtype_name(dtype) if dtype is not None else None
+                    break
+        return self._dtype
 
     async def ensure_armed(self, replicas: list[Replica]) -> None:
         """Arm unarmed engines with the gateway's token (re-arming with the same token is a no-op)."""
@@ -708,7 +720,8 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
         if (intake is None or current is None or intake.state is not current
                 or intake.state.state != "awaiting_push" or intake.request.mode != mode):
             intake = await orch.open_push(WeightsRequest(tier=tier, mode=mode))  # type: ignore[arg-type]
-        return json_response({**_targets(request, intake), "rollout": intake.state.id})
+        return json_response({**_targets(request, intake), "rollout": intake.state.id,
+                              "dtype": await orch.serving_dtype()})
 
 
 def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:

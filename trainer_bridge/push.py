@@ -54,18 +54,21 @@ def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
 
 def resolve_gateway_engines(
     gateway: str, admin_token: str | None, mode: str = "rolling"
-) -> tuple[list[str], str | None]:
-    """Ask the gateway which engines take pushes and which push token is current.
+) -> tuple[list[str], str | None, torch.dtype | None]:
+    """Ask the gateway which engines take pushes, which push token is current and which dtype
+    the fleet serves (saves the trainer a /server_info round trip).
 
     Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once` ->
-    {"engines": [url...], "push_token": str}.
+    {"engines": [url...], "push_token": str, "dtype": "bfloat16" | null}.
     """
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0,
                      params={"mode": mode}, verify=tls_context())
     resp.raise_for_status()
     body = resp.json()
-    return list(body["engines"]), body.get("push_token")
+    dtype = getattr(torch, str(body.get("dtype") or ""), None)
+    return (list(body["engines"]), body.get("push_token"),
+            dtype if isinstance(dtype, torch.dtype) else None)
 
 
 def push(
@@ -106,9 +109,10 @@ def push(
         raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
                          "rolls out served models only")
     if gateway is not None:
-        listed, gateway_token = resolve_gateway_engines(gateway, token, mode)
+        listed, gateway_token, served_dtype = resolve_gateway_engines(gateway, token, mode)
         engines = list(engines or []) + listed
         token = gateway_token or token
+        dtype = dtype or served_dtype
     if not engines:
         raise ValueError("push needs engines=[...] or gateway=URL")
     token = token or secrets.token_hex(16)
