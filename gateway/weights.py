@@ -249,6 +249,13 @@ class PushIntake:
         self.sessions: dict[str, str] = {}
         self.finishing: asyncio.Task | None = None  # the rollout every finish call waits on
         self.early: list[Replica] = []  # the rolling update's first wave, out of routing early
+        loop = asyncio.get_running_loop()
+        # The gateway's own copy (for the checkpoint store). With a fan-out the rollout does not
+        # wait for it: the engines verified their own copies, and rollback needs only N-1 on disk.
+        self.copy: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.copy.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        self.engines_staged = asyncio.Event()  # every fan-out engine staged, or one failed
+        self.stage_failed = ""
 
 
 class WeightOrchestrator:
@@ -562,6 +569,8 @@ class WeightOrchestrator:
                 raise
         intake.sessions[url] = str(info["session"])
         intake.state.note("staging", engine, "the engine pulls the trainer's stream while it serves")
+        if len(intake.sessions) == len(intake.engines):
+            intake.engines_staged.set()
 
     async def receive(self, intake: PushIntake, info: dict[str, Any]) -> None:
         if not intake.armed:
@@ -571,20 +580,42 @@ class WeightOrchestrator:
         staging = StagingArea(layout)
         self.drain_early(intake)
         t0 = time.perf_counter()
-        await receive_update_async(info["sender"], bytes.fromhex(info["session"]), intake.token,
-                                   staging, info.get("checksum", "crc32"),
-                                   float(info.get("timeout_s", 60.0)))
+        try:
+            await receive_update_async(info["sender"], bytes.fromhex(info["session"]), intake.token,
+                                       staging, info.get("checksum", "crc32"),
+                                       float(info.get("timeout_s", 60.0)))
+        except BaseException as exc:
+            if not intake.copy.done():
+                intake.copy.set_exception(exc)
+            raise
         intake.staged = dict(staging.items())
+        if not intake.copy.done():
+            intake.copy.set_result(intake.staged)
         intake.state.note("pushed", detail=f"{staging.total_bytes} bytes verified in "
                                            f"{time.perf_counter() - t0:.2f}s")
+
+    def stage_failure(self, intake: PushIntake, engine: str, reason: str) -> None:
+        """A fan-out engine did not stage: a finish call waiting for the others gives up."""
+        if engine:
+            intake.stage_failed = intake.stage_failed or f"{engine}: {reason}"
+            intake.engines_staged.set()
 
     async def finish(self, intake: PushIntake, version: str | None) -> RolloutState:
         """Start the rollout of what was pushed. With a fan-out the trainer finishes every
         intake (one per engine, plus the gateway's); the first call starts it, all wait for it."""
         state = intake.state
+        if intake.engines and intake.finishing is None:
+            # The trainer finishes each intake as soon as its own stream is verified; the rollout
+            # needs every engine staged, not the gateway's checkpoint copy (saved when it lands).
+            try:
+                await asyncio.wait_for(intake.engines_staged.wait(), self.bridge.stream_timeout_s)
+            except TimeoutError:
+                intake.stage_failed = intake.stage_failed or "engines did not stage in time"
         if intake.finishing is None:
             try:
-                if intake.staged is None:
+                if intake.stage_failed:
+                    raise InvalidRequest(f"staging failed: {intake.stage_failed}")
+                if intake.staged is None and not intake.engines:
                     raise InvalidRequest("no verified weights staged: /update_weights first")
                 if state.version and version and version != state.version:
                     raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
@@ -603,8 +634,9 @@ class WeightOrchestrator:
             self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
             state.state = "running"
             staged = intake.sessions or None
+            weights = intake.staged if intake.staged is not None else intake.copy
             async def roll() -> None:
-                await self._run(state, replicas, intake.staged, intake.request, staged=staged)
+                await self._run(state, replicas, weights, intake.request, staged=staged)
                 if staged:
                     async with self.lock:
                         await self._retire_token(replicas)
@@ -784,10 +816,12 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
             else:
                 await orch.receive(intake, info)
         except (PushRefused, KeyError, ValueError, TypeError) as exc:
+            orch.stage_failure(intake, engine, f"{type(exc).__name__}: {exc}")
             orch.readmit_early(intake, "push refused")
             return _engine_error(exc)
         except Exception as exc:  # noqa: BLE001 - checksum / transfer: reported to the trainer
             intake.state.note("push_failed", engine, f"{type(exc).__name__}: {exc}")
+            orch.stage_failure(intake, engine, f"{type(exc).__name__}: {exc}")
             orch.readmit_early(intake, "push failed")
             return _engine_error(exc)
         return json_response({"status": "ok"})

@@ -141,24 +141,20 @@ def _push(
     corrupt_delay_s: float = 0.0,
 ) -> PushReport:
     started = time.perf_counter()
+
+    def finish(client: EngineClient) -> None:
+        # Each engine commits as soon as its own update is in, not after the slowest one (through
+        # a gateway: its rollout starts once the engines staged, not after the checkpoint copy).
+        client.finish_weight_update(version)
+        client.reset_prefix_cache()
+
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
         transports: dict[str, str] = {}
         failures, transfer_seconds, _ = _stream(
             pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
             label=version, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s, draft=draft,
-            transports=transports,
+            transports=transports, then=finish,
         )
-
-        def finish(client: EngineClient) -> None:
-            client.finish_weight_update(version)
-            client.reset_prefix_cache()
-
-        ok = [c for c in clients if c.base_url not in failures]
-        for client, fut in [(c, pool.submit(finish, c)) for c in ok]:
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001
-                failures[client.base_url] = exc
 
     if failures:
         raise PushFailed(failures)
@@ -188,12 +184,15 @@ def _stream(
     corrupt_delay_s: float = 0.0,
     draft: bool = False,
     transports: dict[str, str] | None = None,
+    then: Callable[[EngineClient], None] | None = None,
 ) -> tuple[dict[str, BaseException], float, dict[str, str]]:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
 
     -> (failures by engine URL, transfer seconds, session hex by engine URL). With phase "load"
     each engine has loaded the weights when this returns; with "stage" each holds them verified
-    in its staging buffers, to be loaded by `apply_staged`."""
+    in its staging buffers, to be loaded by `apply_staged`. `then(client)` runs as soon as that
+    engine's update returned (its failure counts as the engine's); transfer seconds end at the
+    last update, before `then`."""
     failures: dict[str, BaseException] = {}
 
     def prepare(client: EngineClient) -> None:
@@ -218,6 +217,8 @@ def _stream(
             for c in live
         }
 
+        updated: list[float] = []
+
         def update(client: EngineClient) -> None:
             target = targets[client.base_url]
             try:
@@ -228,6 +229,9 @@ def _stream(
                 target.done.wait(1.0)  # let the writer record the stream-side reason first
                 target.fail(exc)
                 raise
+            updated.append(time.perf_counter())
+            if then is not None:
+                then(client)
 
         bar = _progress_bar(weights.total_bytes * len(live), label) if progress else None
         lock = threading.Lock()
@@ -255,7 +259,7 @@ def _stream(
     sessions = {url: t.session.hex() for url, t in targets.items() if url not in failures}
     if transports is not None:
         transports.update({url: t.transport for url, t in targets.items() if t.transport})
-    return failures, time.perf_counter() - transfer_started, sessions
+    return failures, max(updated, default=time.perf_counter()) - transfer_started, sessions
 
 
 def stage(

@@ -144,15 +144,21 @@ class Rollout:
         self._saving: asyncio.Future | None = None
 
     async def run(
-        self, weights: ModelLike, version: str, staged: Mapping[str, str] | None = None
+        self, weights: ModelLike | asyncio.Future, version: str,
+        staged: Mapping[str, str] | None = None,
     ) -> RolloutReport:
         """`staged`: replica -> session the trainer already streamed `weights` into (straight to
-        the engines, armed with `self.token`); those replicas skip token rotation and staging."""
+        the engines, armed with `self.token`); those replicas skip token rotation and staging.
+        `weights` may then be a future (a copy still arriving): only the checkpoint waits for it,
+        and a replica without a session reloads that checkpoint."""
         started = time.perf_counter()
         replicas = [r.rstrip("/") for r in self.fleet.replicas()]
         if not replicas:
             raise RolloutFailed("fleet has no replicas")
-        wset = _weights(weights, None)
+        pending = weights if isinstance(weights, asyncio.Future) else None
+        if pending is not None and not staged:
+            raise ValueError("weights still arriving need pre-staged replicas")
+        wset = WeightSet([]) if pending is not None else _weights(weights, None)
         self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
         self._saving = None
         waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
@@ -171,9 +177,11 @@ class Rollout:
             previous = dict(zip(replicas, found))
             for prev in set(previous.values()):
                 await asyncio.to_thread(self._ensure_checkpoint, prev)
-            self._saving = asyncio.ensure_future(
-                asyncio.to_thread(self.store.save, version, wset.state_dict())
-            )
+            async def save() -> None:
+                ready = _weights(await pending, None) if pending is not None else wset
+                await asyncio.to_thread(self.store.save, version, ready.state_dict())
+
+            self._saving = asyncio.ensure_future(save())
             return previous
 
         prepared = await asyncio.gather(checkpoints(), self._prepare(replicas, wset),
