@@ -166,25 +166,28 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
     then all apply the staged weights. No request fails, and every response (streamed too) is
     labelled with the weights that produced it: greedy text identifies the version."""
     newer = "wr-2"
-    seen: list[tuple[float, str, str, int, str]] = []  # (t, replica, version, status, text)
+    seen: list[tuple[float, str, str, int, str, bool]] = []  # (t, replica, version, status, text, stream)
     stop = threading.Event()
 
-    def load(model: str, stream: bool) -> None:
+    def request(http: httpx.Client, model: str, stream: bool) -> tuple[str, str, int, str]:
         body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
+        if not stream:
+            r = http.post(stack.gateway_url + "/v1/completions", json=body)
+            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+        else:
+            with http.stream("POST", stack.gateway_url + "/v1/completions", json=body) as r:
+                chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+                text = "".join(choice["text"] for c in chunks for choice in json.loads(c).get("choices", []))
+        return (r.headers.get("x-yieldgate-replica", ""), r.headers.get("x-yieldgate-weight-version", ""),
+                r.status_code, text)
+
+    def load(model: str, stream: bool) -> None:
         with httpx.Client(timeout=120) as http:
             while not stop.is_set():
-                if not stream:
-                    r = http.post(stack.gateway_url + "/v1/completions", json=body)
-                    text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
-                    seen.append((time.monotonic(), r.headers.get("x-yieldgate-replica", ""),
-                                 r.headers.get("x-yieldgate-weight-version", ""), r.status_code, text))
-                    continue
-                with http.stream("POST", stack.gateway_url + "/v1/completions", json=body) as r:
-                    chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
-                    text = "".join(choice["text"] for c in chunks
-                                   for choice in json.loads(c).get("choices", []))
-                    seen.append((time.monotonic(), r.headers.get("x-yieldgate-replica", ""),
-                                 r.headers.get("x-yieldgate-weight-version", ""), r.status_code, text))
+                seen.append((time.monotonic(), *request(http, model, stream), stream))
+
+    with httpx.Client(timeout=120) as http:  # what the base weights say, streamed and not
+        base_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
 
     threads = [threading.Thread(target=load, args=(m, s))
                for m in ("demo", "demo:fast") for s in (False, True)]
@@ -204,12 +207,13 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
     failed = [s for s in seen if s[3] != 200]
     assert not failed, failed[:5]
     assert {s[2] for s in seen} == {"base", newer}
-    new_text = complete(stack.gateway_url).json()["choices"][0]["text"]
-    assert new_text != story["base_text"]
+    with httpx.Client(timeout=120) as http:
+        new_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
+    assert new_text[False] != base_text[False]
     # The label is the truth: base-labelled responses are the base weights' text, new-labelled ones
     # the new weights' (a request held during the swap is routed, and labelled, only afterwards).
-    expected = {"base": story["base_text"], newer: new_text}
-    wrong = [s for s in seen if s[4] != expected[s[2]]]
+    expected = {"base": base_text, newer: new_text}
+    wrong = [s for s in seen if s[4] != expected[s[2]][s[5]]]
     assert not wrong, wrong[:5]
     assert set(versions(admin).values()) == {newer}
 
