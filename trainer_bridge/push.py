@@ -191,8 +191,8 @@ def _stream(
     -> (failures by engine URL, transfer seconds, session hex by engine URL). With phase "load"
     each engine has loaded the weights when this returns; with "stage" each holds them verified
     in its staging buffers, to be loaded by `apply_staged`. `then(client)` runs as soon as that
-    engine's update returned (its failure counts as the engine's); transfer seconds end at the
-    last update, before `then`."""
+    engine's update returned and its stream ended verified (a failure in it counts as the
+    engine's); transfer seconds end there for the last engine, before its `then`."""
     failures: dict[str, BaseException] = {}
 
     def prepare(client: EngineClient) -> None:
@@ -229,6 +229,11 @@ def _stream(
                 target.done.wait(1.0)  # let the writer record the stream-side reason first
                 target.fail(exc)
                 raise
+            # A staging engine answers at once and verifies in the background: its stream is
+            # over (status received) only once the writer is done.
+            target.done.wait(cfg.stream_timeout_s)
+            if target.error is not None:
+                raise target.error
             updated.append(time.perf_counter())
             if then is not None:
                 then(client)
