@@ -12,8 +12,11 @@ trainer's stream description to its engine as a *stage* (the engine pulls the ch
 from the trainer while it serves), and one more intake receives a copy for the checkpoint
 store (rollback needs it on disk). The trainer serializes once and streams to all of them in
 parallel; the gateway only orchestrates. Otherwise one intake receives the weights and the
-rollout stages them on the engines itself. Either way the staged weights are then applied one
-drained replica at a time; no engine's live weights change while it serves. `?direct=1`
+rollout stages them on the engines itself. Either way the staged weights are then applied to
+drained replicas only: one wave at a time ("rolling"), or all at once while the gateway holds
+new requests ("all_at_once": they wait in `Fleet.wait_released`, then are routed, and labelled,
+on the new weights); no engine's live weights change while it serves. The rollout starts once
+every engine has staged; the gateway's checkpoint copy may still be arriving. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
 
