@@ -1,11 +1,13 @@
-"""Rolling weight update of the demo fleet under steady load, orchestrated by the gateway.
+"""Weight updates of the demo fleet under steady load, orchestrated by the gateway.
 
     python benchmarks/rollout.py --up                      # starts its own demo stack (ports 215xx)
+    python benchmarks/rollout.py --up --big                # the same with a 28 MB generated model
     python benchmarks/rollout.py --gateway URL --admin-token TOKEN   # or uses a running one
 
 A loadtest `run_load` (steady concurrency, both tiers) keeps the fleet busy while a trainer-side
-`push(gateway=...)` rolls perturbed copies of the demo weights through it, `--rollouts` times in a
-row (<version>.1, .2, ...); probe threads record the version header of every response they get.
+`push(gateway=..., mode=...)` rolls perturbed copies of the demo weights through it, `--rollouts`
+rounds of one push per `--modes` entry (rolling, all_at_once, rolling, ...: <version>.1, .2, ...,
+interleaved so both modes see the same load); probe threads record the version header of every response they get.
 Reported: failed requests (goal 0), responses with an unknown version or a replica going back to
 an older one (goal 0), the timeline of each rollout, and push start -> 100% of traffic on the new
 version (the later of the last re-admission and the end of the last old-version response).
@@ -16,8 +18,8 @@ commit the version, reset the prefix cache; no drain, no checkpoint, no verify),
 load in the same run, `--direct-pushes` times before the rollouts (the old weights, re-pushed
 under the version they already serve, after one untimed warm-up push) and as often after them
 (the last weights under the last version), so none changes what any response says. The ratio is
-median(time to 100% new) / median(raw transfer). The fleet is rolled back to the version it
-served before. Writes benchmarks/results/rollout.json and rollout.png.
+median(time to 100% new) / median(raw transfer), per mode. The fleet is rolled back to the version
+it served before. Writes benchmarks/results/rollout[-big].json and .png.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from safetensors.torch import load_file
 
 from gateway.embedded import stop_process_group
 from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
-from serving.demo_model import ensure_demo_model
+from serving.demo_model import DemoModelSpec, ensure_demo_model
 from trainer_bridge import EngineClient, push
 
 RESULTS = Path(__file__).parent / "results"
@@ -49,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
-def own_stack(port: int):
+def own_stack(port: int, model_dir: Path):
     """`yieldgate up` on a private home and ports (gateway `port`, engines port+101, +102)."""
     home = Path(tempfile.mkdtemp(prefix="yg-rollout-"))
     token = "bench-admin-" + secrets.token_hex(8)
@@ -67,7 +69,7 @@ block_size = 32
 demo_base_port = {port + 101}
 """)
     env = dict(os.environ, YIELDGATE_HOME=str(home), PYTHONUNBUFFERED="1",
-               YIELDGATE_FLEET__MODEL_PATH=str(ensure_demo_model()))
+               YIELDGATE_FLEET__MODEL_PATH=str(model_dir))
     log = open(home / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--config", str(config)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -89,6 +91,13 @@ demo_base_port = {port + 101}
     finally:
         stop_process_group(proc)
         log.close()
+
+
+def model_dir(big: bool) -> Path:
+    if not big:
+        return ensure_demo_model()
+    return ensure_demo_model(spec=DemoModelSpec(hidden_size=384, intermediate_size=1024, num_layers=4,
+                                                num_heads=6, num_kv_heads=2))
 
 
 def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -123,10 +132,15 @@ def main() -> None:
     ap.add_argument("--direct-pushes", type=int, default=3, help="timed direct pushes before and after")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=4.0)
-    ap.add_argument("--out", default=str(RESULTS / "rollout"))
+    ap.add_argument("--modes", default="rolling,all_at_once",
+                    help="comma-separated; each rollout round pushes once per mode, interleaved")
+    ap.add_argument("--big", action="store_true",
+                    help="with --up: a 28 MB generated model (4 layers, 384 hidden) instead of the 1.1 MB demo")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/rollout[-big]")
     args = ap.parse_args()
+    args.out = args.out or str(RESULTS / ("rollout-big" if args.big else "rollout"))
     if args.up:
-        with own_stack(args.port) as (gateway, token):
+        with own_stack(args.port, model_dir(args.big)) as (gateway, token):
             measure(args, gateway, token)
     else:
         if not args.admin_token:
@@ -142,8 +156,10 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     old = next(iter(set(before.values())))
     if old != "base":
         raise SystemExit(f"the fleet serves {old!r}; start from the launch weights (base)")
-    base = load_file(str(Path(ensure_demo_model()) / "model.safetensors"))
-    versions = [f"{args.version}.{i}" for i in range(1, args.rollouts + 1)]
+    base = load_file(str(model_dir(args.big) / "model.safetensors"))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    plan = [m for _ in range(args.rollouts) for m in modes]  # interleaved: rolling, all_at_once, ...
+    versions = [f"{args.version}.{i}" for i in range(1, len(plan) + 1)]
     weights = {v: perturbed(base, 7 + i) for i, v in enumerate(versions)}
     direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
     # Every push sends the same bytes: the engines' serving dtype, asked once up front.
@@ -154,7 +170,7 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     stop = threading.Event()
     probes: list[dict] = []
     load_result: dict = {}
-    duration = args.settle_s * (args.rollouts + 2) + 6 * args.direct_pushes + 20
+    duration = args.settle_s * (len(plan) + 2) + 6 * args.direct_pushes + 20
 
     def steady() -> None:
         res = run_load(Target(base_url=gw, model="demo", api="completions"),
@@ -182,14 +198,16 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     time.sleep(args.settle_s / 2)
     rollouts = []
     previous = old
-    for version in versions:
+    for version, mode in zip(versions, plan):
         push_start = time.time()
-        report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype, progress=False)
+        report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype,
+                      progress=False, mode=mode)
         push_end = time.time()
+        print(f"[rollout] {version} ({mode}): push returned after {push_end - push_start:.2f} s", flush=True)
         time.sleep(args.settle_s)
         state = admin.get("/admin/weights").json()["rollout"]
         rollouts.append({"version_from": previous, "version_to": version, "push_start": push_start,
-                         "push_end": push_end, "report": report, "state": state})
+                         "push_end": push_end, "report": report, "state": state, "mode": mode})
         previous = version
     # Raw transfer, after: the last weights under the last version (already served everywhere).
     raw_after = direct_pushes(weights[versions[-1]], versions[-1])
@@ -222,7 +240,7 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         all_new_at = max([*admitted, *old_after], default=start)
         first_new = min((p["end"] for p in probes if p["version"] == ro["version_to"]), default=None)
         per_rollout.append({
-            "version_from": ro["version_from"], "version_to": ro["version_to"],
+            "mode": ro["mode"], "version_from": ro["version_from"], "version_to": ro["version_to"],
             "state": state["state"], "reason": state["reason"],
             "push_start_s": start - t0,
             "push_seconds": ro["push_end"] - start,
@@ -234,8 +252,20 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
             "timeline_from_push_start_s": [[round(e["t"] - start, 3), e["event"], e["replica"], e["detail"]]
                                            for e in state["timeline"]],
         })
-    to_new = statistics.median(r["time_to_100pct_new_s"] for r in per_rollout)
+    to_new = statistics.median(r["time_to_100pct_new_s"] for r in per_rollout if r["mode"] == modes[0])
+    by_mode = {}
+    for mode in modes:
+        runs = [r for r in per_rollout if r["mode"] == mode]
+        med = statistics.median(r["time_to_100pct_new_s"] for r in runs)
+        # Longest time any probe request took that started during the rollout (the hold shows here).
+        worst = max((p["end"] - p["t"] for r in runs for p in probes
+                     if p["status"] == 200 and r["push_start_s"] <= p["t"] - t0 <= r["push_start_s"] + r["time_to_100pct_new_s"]),
+                    default=None)
+        by_mode[mode] = {"time_to_100pct_new_s": med,
+                         "time_to_100pct_new_all_s": [r["time_to_100pct_new_s"] for r in runs],
+                         "ratio_to_raw_transfer": med / raw, "longest_probe_request_s": worst}
     summary = {
+        "modes": by_mode,
         "version_from": old, "versions": versions,
         "rollout_states": [r["state"] for r in per_rollout],
         "requests_load": len(records), "failed_load": len(failed_load),
@@ -254,7 +284,8 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         "direct_push_after_seconds": [r.seconds for r in raw_after],
         "direct_stream_seconds": [r.transfer_seconds for r in raw_before + raw_after],
         "ratio_to_raw_transfer": to_new / raw,
-        "ratio_definition": "median time_to_100pct_new over the rollouts / median raw transfer",
+        "ratio_definition": ("median time_to_100pct_new over the rollouts of one mode / median raw transfer "
+                             "(top-level figures: the first mode; per mode under 'modes')"),
         "goal": "time_to_100pct_new_s < 2 x raw_transfer_seconds, 0 failed, no mixed versions",
         "dtype": str(dtype),
         "bytes_per_engine": per_rollout[0]["bytes_per_engine"],
@@ -273,7 +304,7 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     plot(summary, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("rollouts", "probes")}, indent=2))
     for r in per_rollout:
-        print(r["version_to"], f"{r['time_to_100pct_new_s']:.3f}s")
+        print(r["version_to"], r["mode"], f"{r['time_to_100pct_new_s']:.3f}s")
         for e in r["timeline_from_push_start_s"]:
             print("   ", e)
 
@@ -286,7 +317,8 @@ def plot(summary: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.8))
     replicas = sorted({p["replica"] for p in summary["probes"] if p["replica"]})
     versions = [summary["version_from"], *summary["versions"]]
-    colors = dict(zip(versions, ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink"]))
+    colors = dict(zip(versions, ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
+                                  "tab:olive", "tab:cyan", "tab:red", "tab:gray"]))
     for i, rep in enumerate(replicas):
         for ver in versions:
             pts = [p["end"] for p in summary["probes"] if p["replica"] == rep and p["version"] == ver]
@@ -302,10 +334,12 @@ def plot(summary: dict, path: Path) -> None:
         ax.axvline(t + ro["time_to_100pct_new_s"], color="green", lw=1.2)
     ax.set_yticks(range(len(replicas)), replicas)
     ax.set_xlabel("seconds since the first push (black: push start, dotted: drain, grey: re-admit, green: 100% new)")
-    ax.set_title(f"{len(summary['rollouts'])} rolling updates under load: "
-                 f"{summary['failed_load'] + summary['failed_probe']} failed requests, "
-                 f"100% new after {', '.join(f'{x:.2f}' for x in summary['time_to_100pct_new_all_s'])} s "
-                 f"(median raw transfer {summary['raw_transfer_seconds']:.2f} s)", fontsize=9)
+    per_mode = "; ".join(f"{m}: {', '.join(f'{x:.2f}' for x in v['time_to_100pct_new_all_s'])} s"
+                         for m, v in summary["modes"].items())
+    ax.set_title(f"{len(summary['rollouts'])} weight updates under load "
+                 f"({summary['bytes_per_engine'] / 1e6:.1f} MB per engine): "
+                 f"{summary['failed_load'] + summary['failed_probe']} failed requests; 100% new after "
+                 f"{per_mode} (median raw transfer {summary['raw_transfer_seconds']:.2f} s)", fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

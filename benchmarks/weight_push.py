@@ -1,5 +1,8 @@
 """Weight-push throughput: yieldgate stream vs the loopback TCP limit vs a checkpoint reload.
 
+Trainer and engine share this host, so pushes use the shared-memory transport (the trainer
+writes into the engine's staging memory); every figure is also taken over TCP (`tcp_*`).
+
 Generates a wider Llama (a few hundred MB), starts one engine serving it with the yieldgate
 backend, then measures in the same run:
   * loopback TCP: one process sendall()s 8 MiB buffers to another that recv_into()s them;
@@ -158,7 +161,8 @@ def main() -> None:
     log = work / "engine.log"
     if args.engine is None:
         proc = start_engine(model_dir, args.port, log)
-    cfg = BridgeConfig()
+    cfg = BridgeConfig()  # trainer and engine share this host: shared-memory transport
+    cfg_tcp = BridgeConfig(shared_memory=False)
     cfg_sequential = BridgeConfig(pipeline_load=False)
     wset = WeightSet.from_model(weights, dtype=torch.float32)
     try:
@@ -166,6 +170,7 @@ def main() -> None:
         arm_engine(url, token)
         first = push_to_engine(url, weights, "bench-first", token=token, dtype=torch.float32, config=cfg)
         tcp, stages, stage_walls, applies, pushes, sequential = [], [], [], [], [], []
+        tcp_stages, tcp_pushes, transports = [], [], set()
         for i in range(args.repeats):
             tcp.append(loopback_gbps(total))
             started = time.perf_counter()
@@ -175,11 +180,22 @@ def main() -> None:
             started = time.perf_counter()
             apply_staged(url, sessions[url], f"bench-staged-{i}", cfg)
             applies.append(time.perf_counter() - started)
+            sessions, transfer_s = stage(wset, [url], token, cfg_tcp)
+            tcp_stages.append(transfer_s)
+            apply_staged(url, sessions[url], f"bench-staged-tcp-{i}", cfg)
             report = push_to_engine(url, weights, f"bench-{i}", token=token, dtype=torch.float32, config=cfg)
             pushes.append(report.transfer_seconds)
+            transports.update(report.transports.values())
+            report = push_to_engine(url, weights, f"bench-tcp-{i}", token=token, dtype=torch.float32,
+                                    config=cfg_tcp)
+            tcp_pushes.append(report.transfer_seconds)
+            transports.update(f"tcp-run:{t}" for t in report.transports.values())
             report = push_to_engine(url, weights, f"bench-seq-{i}", token=token, dtype=torch.float32,
                                     config=cfg_sequential)
             sequential.append(report.transfer_seconds)
+            print(f"[{i + 1}/{args.repeats}] loopback {tcp[-1]:.2f} GB/s; stage shm {stages[-1]:.3f} s, "
+                  f"tcp {tcp_stages[-1]:.3f} s; apply {applies[-1]:.3f} s; push shm {pushes[-1]:.3f} s, "
+                  f"tcp {tcp_pushes[-1]:.3f} s, shm load-after-stream {sequential[-1]:.3f} s", flush=True)
         reloads = []
         for i in range(args.repeats):
             started = time.perf_counter()
@@ -217,6 +233,13 @@ def main() -> None:
         "disk_reload_seconds": round(reload_s, 3),
         "disk_total_seconds": round(write_s + reload_s, 3),
         "push_speedup_vs_disk": round((write_s + reload_s) / push_s, 2),
+        "transport": "shm (same host; " + ", ".join(sorted(transports)) + ")",
+        "tcp_stage_seconds": round(min(tcp_stages), 3),
+        "tcp_stage_vs_loopback": round(total / min(tcp_stages) / 1e9 / tcp_best, 3),
+        "tcp_push_seconds": round(min(tcp_pushes), 3),
+        "tcp_push_vs_loopback": round(total / min(tcp_pushes) / 1e9 / tcp_best, 3),
+        "all_tcp_stage_seconds": [round(x, 3) for x in tcp_stages],
+        "all_tcp_push_seconds": [round(x, 3) for x in tcp_pushes],
         "push_sequential_seconds": round(min(sequential), 3),
         "push_sequential_vs_loopback": round(total / min(sequential) / 1e9 / tcp_best, 3),
         "all_push_sequential_seconds": [round(x, 3) for x in sequential],
@@ -231,7 +254,10 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_avg_1m_start": load_start,
         "load_avg_1m_end": os.getloadavg()[0],
-        "note": ("loopback = best of the runs interleaved with the pushes; stage = the /update_weights "
+        "note": ("stage/push/apply/push_sequential use the shared-memory transport (trainer and engine on "
+                 "one host: chunks written into the engine's memfd staging arena, signed headers over TCP, "
+                 "xxh3 on both ends); tcp_* the same over loopback TCP (BridgeConfig(shared_memory=False)). "
+                 "loopback = best of the runs interleaved with the pushes; stage = the /update_weights "
                  "round of a staged push: stream + xxh3 per chunk into the engine's registered buffers, "
                  "verified, status back (stage_wall adds /start_weight_update and client set-up); "
                  "push = one /update_weights round: stream + verify + load_weights (layerwise reload, oneDNN "

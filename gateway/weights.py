@@ -12,8 +12,11 @@ trainer's stream description to its engine as a *stage* (the engine pulls the ch
 from the trainer while it serves), and one more intake receives a copy for the checkpoint
 store (rollback needs it on disk). The trainer serializes once and streams to all of them in
 parallel; the gateway only orchestrates. Otherwise one intake receives the weights and the
-rollout stages them on the engines itself. Either way the staged weights are then applied one
-drained replica at a time; no engine's live weights change while it serves. `?direct=1`
+rollout stages them on the engines itself. Either way the staged weights are then applied to
+drained replicas only: one wave at a time ("rolling"), or all at once while the gateway holds
+new requests ("all_at_once": they wait in `Fleet.wait_released`, then are routed, and labelled,
+on the new weights); no engine's live weights change while it serves. The rollout starts once
+every engine has staged; the gateway's checkpoint copy may still be arriving. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
 
@@ -136,9 +139,11 @@ class RolloutFleet:
     """trainer_bridge's `Fleet` over gateway replicas: routable -> `admitted`, in-flight -> the
     gateway's own count (a drained replica has no request of ours left on it)."""
 
-    def __init__(self, replicas: list[Replica], state: RolloutState) -> None:
+    def __init__(self, replicas: list[Replica], state: RolloutState,
+                 serving: ServingFleet | None = None) -> None:
         self.by_url = {r.url: r for r in replicas}
         self.state = state
+        self.serving = serving
         self.verified: dict[str, str] = {}  # url -> engine version read by the rollout's verify
 
     def replicas(self) -> list[str]:
@@ -146,6 +151,18 @@ class RolloutFleet:
 
     def tier(self, replica: str) -> str:
         return self.by_url[replica].tier
+
+    def weight_version(self, replica: str) -> str:
+        """The engine's version as last read or verified (the label every response carries)."""
+        return engine_label(self.by_url[replica].weight_version)
+
+    def hold(self) -> None:
+        if self.serving is not None:
+            self.serving.hold()
+
+    def release(self) -> None:
+        if self.serving is not None:
+            self.serving.release()
 
     async def set_routable(self, replica: str, routable: bool) -> None:
         r = self.by_url[replica]
@@ -235,6 +252,13 @@ class PushIntake:
         self.sessions: dict[str, str] = {}
         self.finishing: asyncio.Task | None = None  # the rollout every finish call waits on
         self.early: list[Replica] = []  # the rolling update's first wave, out of routing early
+        loop = asyncio.get_running_loop()
+        # The gateway's own copy (for the checkpoint store). With a fan-out the rollout does not
+        # wait for it: the engines verified their own copies, and rollback needs only N-1 on disk.
+        self.copy: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.copy.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        self.engines_staged = asyncio.Event()  # every fan-out engine staged, or one failed
+        self.stage_failed = ""
 
 
 class WeightOrchestrator:
@@ -252,6 +276,7 @@ class WeightOrchestrator:
         self.history: list[RolloutState] = []
         self.intakes: dict[str, PushIntake] = {}
         self._armed: dict[str, bool] = {}  # engine URL -> runs our backend, armed with engine_token
+        self._dtype: str | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
@@ -289,6 +314,17 @@ class WeightOrchestrator:
         if token and token != self._engine_token:
             self._engine_token = token
             (self.root / "engine_push_token").write_text(token)
+
+    async def serving_dtype(self) -> str | None:
+        """The dtype the engines serve in, asked once (every replica serves the same model)."""
+        if self._dtype is None:
+            for r in self.fleet.replicas.values():
+                if r.healthy:
+                    with EngineClient(r.url, 30.0) as client:
+                        dtype = await asyncio.to_thread(client.model_dtype)
+                    self._dtype = wire.dtype_name(dtype) if dtype is not None else None
+                    break
+        return self._dtype
 
     async def ensure_armed(self, replicas: list[Replica]) -> None:
         """Arm unarmed engines with the gateway's token (re-arming with the same token is a no-op)."""
@@ -425,7 +461,7 @@ class WeightOrchestrator:
         async with self.lock:
             state.state = "running"
             state.note("start", detail=f"{len(replicas)} replica(s), mode {request.mode}")
-            fleet = RolloutFleet(replicas, state)
+            fleet = RolloutFleet(replicas, state, self.fleet)
             evaluate = self._canary(request.canary, state) if request.canary else None
             rollout = GatewayRollout(fleet, self.store, state, checkpoint=checkpoint, mode=request.mode,
                                      evaluate=evaluate, config=self.bridge,
@@ -536,6 +572,8 @@ class WeightOrchestrator:
                 raise
         intake.sessions[url] = str(info["session"])
         intake.state.note("staging", engine, "the engine pulls the trainer's stream while it serves")
+        if len(intake.sessions) == len(intake.engines):
+            intake.engines_staged.set()
 
     async def receive(self, intake: PushIntake, info: dict[str, Any]) -> None:
         if not intake.armed:
@@ -545,20 +583,42 @@ class WeightOrchestrator:
         staging = StagingArea(layout)
         self.drain_early(intake)
         t0 = time.perf_counter()
-        await receive_update_async(info["sender"], bytes.fromhex(info["session"]), intake.token,
-                                   staging, info.get("checksum", "crc32"),
-                                   float(info.get("timeout_s", 60.0)))
+        try:
+            await receive_update_async(info["sender"], bytes.fromhex(info["session"]), intake.token,
+                                       staging, info.get("checksum", "crc32"),
+                                       float(info.get("timeout_s", 60.0)))
+        except BaseException as exc:
+            if not intake.copy.done():
+                intake.copy.set_exception(exc)
+            raise
         intake.staged = dict(staging.items())
+        if not intake.copy.done():
+            intake.copy.set_result(intake.staged)
         intake.state.note("pushed", detail=f"{staging.total_bytes} bytes verified in "
                                            f"{time.perf_counter() - t0:.2f}s")
+
+    def stage_failure(self, intake: PushIntake, engine: str, reason: str) -> None:
+        """A fan-out engine did not stage: a finish call waiting for the others gives up."""
+        if engine:
+            intake.stage_failed = intake.stage_failed or f"{engine}: {reason}"
+            intake.engines_staged.set()
 
     async def finish(self, intake: PushIntake, version: str | None) -> RolloutState:
         """Start the rollout of what was pushed. With a fan-out the trainer finishes every
         intake (one per engine, plus the gateway's); the first call starts it, all wait for it."""
         state = intake.state
+        if intake.engines and intake.finishing is None:
+            # The trainer finishes each intake as soon as its own stream is verified; the rollout
+            # needs every engine staged, not the gateway's checkpoint copy (saved when it lands).
+            try:
+                await asyncio.wait_for(intake.engines_staged.wait(), self.bridge.stream_timeout_s)
+            except TimeoutError:
+                intake.stage_failed = intake.stage_failed or "engines did not stage in time"
         if intake.finishing is None:
             try:
-                if intake.staged is None:
+                if intake.stage_failed:
+                    raise InvalidRequest(f"staging failed: {intake.stage_failed}")
+                if intake.staged is None and not intake.engines:
                     raise InvalidRequest("no verified weights staged: /update_weights first")
                 if state.version and version and version != state.version:
                     raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
@@ -577,8 +637,9 @@ class WeightOrchestrator:
             self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
             state.state = "running"
             staged = intake.sessions or None
+            weights = intake.staged if intake.staged is not None else intake.copy
             async def roll() -> None:
-                await self._run(state, replicas, intake.staged, intake.request, staged=staged)
+                await self._run(state, replicas, weights, intake.request, staged=staged)
                 if staged:
                     async with self.lock:
                         await self._retire_token(replicas)
@@ -681,17 +742,21 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
         return json_response({"rollout": state}, 200 if state.state == "succeeded" else 500)
 
     @router.get("/weight_targets")
-    async def weight_targets(request: Request, direct: bool = False, tier: str | None = None) -> Response:
+    async def weight_targets(request: Request, direct: bool = False, tier: str | None = None,
+                             mode: str = "rolling") -> Response:
         if direct:
             replicas = orch.select(tier)
             await orch.ensure_armed(replicas)
             return json_response({"engines": [r.url for r in replicas], "push_token": orch.engine_token})
+        if mode not in ("rolling", "all_at_once"):
+            raise InvalidRequest(f"unknown mode {mode!r}: rolling | all_at_once", param="mode")
         current = orch.current
         intake = next(iter(orch.intakes.values()), None)
         if (intake is None or current is None or intake.state is not current
-                or intake.state.state != "awaiting_push"):
-            intake = await orch.open_push(WeightsRequest(tier=tier))
-        return json_response({**_targets(request, intake), "rollout": intake.state.id})
+                or intake.state.state != "awaiting_push" or intake.request.mode != mode):
+            intake = await orch.open_push(WeightsRequest(tier=tier, mode=mode))  # type: ignore[arg-type]
+        return json_response({**_targets(request, intake), "rollout": intake.state.id,
+                              "dtype": await orch.serving_dtype()})
 
 
 def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:
@@ -754,10 +819,12 @@ def build_intake_router(gw: "Gateway") -> APIRouter:
             else:
                 await orch.receive(intake, info)
         except (PushRefused, KeyError, ValueError, TypeError) as exc:
+            orch.stage_failure(intake, engine, f"{type(exc).__name__}: {exc}")
             orch.readmit_early(intake, "push refused")
             return _engine_error(exc)
         except Exception as exc:  # noqa: BLE001 - checksum / transfer: reported to the trainer
             intake.state.note("push_failed", engine, f"{type(exc).__name__}: {exc}")
+            orch.stage_failure(intake, engine, f"{type(exc).__name__}: {exc}")
             orch.readmit_early(intake, "push failed")
             return _engine_error(exc)
         return json_response({"status": "ok"})

@@ -77,6 +77,9 @@ class Fleet:
         self.replicas: dict[str, Replica] = {r.name: Replica(r) for r in config.replicas}
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
+        # Set except while an all-at-once weight swap has every replica out: requests that find
+        # no candidate then wait for it instead of failing.
+        self._released: asyncio.Event | None = None
 
     def tiers(self) -> list[str]:
         return sorted({r.tier for r in self.replicas.values()})
@@ -91,6 +94,26 @@ class Fleet:
         # The tier's only replicas are out for a weight rollout: borrow the others (same model)
         # meanwhile; the request keeps its tier (and tier price), x-yieldgate-replica says who served.
         return [r for r in self.replicas.values() if r.routable]
+
+    def hold(self) -> None:
+        """New requests that find no routable replica wait (see `wait_released`) until `release`."""
+        self._released = asyncio.Event()
+
+    def release(self) -> None:
+        released, self._released = self._released, None
+        if released is not None:
+            released.set()
+
+    async def wait_released(self, timeout_s: float) -> bool:
+        """-> True once the fleet is released (at once if it is not held); False on timeout."""
+        released = self._released
+        if released is None:
+            return True
+        try:
+            await asyncio.wait_for(released.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s))

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer_bridge import (
+    BridgeConfig,
     ChecksumMismatch,
     EngineClient,
     PushRefused,
@@ -132,10 +133,21 @@ def test_plugin_is_loaded_in_the_engine(engine):
     assert isinstance(engine_weight_version(url), str)
 
 
-def test_push_changes_greedy_output_and_advances_version(on_base, base_weights):
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request) -> str:
+    """The trainer shares the engine's host here: shared memory unless turned off (then TCP)."""
+    return request.param
+
+
+def bridge(transport: str) -> BridgeConfig:
+    return BridgeConfig(shared_memory=transport == "shm")
+
+
+def test_push_changes_greedy_output_and_advances_version(on_base, base_weights, transport):
     url = on_base
     before = text(url)
-    report = push_to_engine(url, perturbed(base_weights, 1), "v1", token=TOKEN)
+    report = push_to_engine(url, perturbed(base_weights, 1), "v1", token=TOKEN, config=bridge(transport))
+    assert report.transports == {url: transport}
     assert report.bytes_per_engine > 0 and report.tensors == len(base_weights)
     assert engine_weight_version(url) == "v1"
     after = text(url)
@@ -146,11 +158,12 @@ def test_push_changes_greedy_output_and_advances_version(on_base, base_weights):
     assert engine_weight_version(url) == "v2"
 
 
-def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weights):
+def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weights, transport):
     url = on_base
     before = text(url)
     with pytest.raises(ChecksumMismatch):
-        push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5)
+        push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5,
+                       config=bridge(transport))
     assert engine_weight_version(url) == "base"
     assert text(url) == before
 
@@ -168,7 +181,7 @@ def served_state(url: str) -> tuple[list, dict[str, str]]:
     return [logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]], checksums.json()["checksums"]
 
 
-def test_late_chunk_failure_restores_the_old_weights_exactly(on_base, base_weights):
+def test_late_chunk_failure_restores_the_old_weights_exactly(on_base, base_weights, transport):
     """The engine loads tensors while later chunks still stream; a checksum failure on the last
     chunk, after all the others were loaded, must leave it serving exactly the old weights."""
     url = on_base
@@ -177,7 +190,7 @@ def test_late_chunk_failure_restores_the_old_weights_exactly(on_base, base_weigh
     with pytest.raises(ChecksumMismatch) as failure:
         # Held back 1 s, so every earlier tensor has been loaded (and processed) by then.
         push_to_engine(url, perturbed(base_weights, 10), "late-corrupt", token=TOKEN,
-                       corrupt_chunk=chunks - 1, corrupt_delay_s=1.0)
+                       corrupt_chunk=chunks - 1, corrupt_delay_s=1.0, config=bridge(transport))
     notes = " ".join(getattr(failure.value, "__notes__", []))
     loaded = re.search(r"after loading (\d+) of (\d+) tensors", notes)
     assert loaded is not None, notes

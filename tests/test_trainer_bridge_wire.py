@@ -45,11 +45,11 @@ def _receive(kind: str, *args) -> None:
 
 
 def _transfer(weights: WeightSet, sender_token: str, receiver_token: str, corrupt: int | None = None,
-              pool: StagingPool | None = None, kind: str = "thread"):
+              pool: StagingPool | None = None, kind: str = "thread", shared_memory: bool = True):
     """Run one stream; returns (staging, receiver exception, sender-side target)."""
     layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
     staging = StagingArea(layout, pool)
-    with ChunkSender(chunk_bytes=4096, connect_timeout_s=10) as sender:
+    with ChunkSender(chunk_bytes=4096, connect_timeout_s=10, shared_memory=shared_memory) as sender:
         target = StreamTarget(token=sender_token, corrupt_chunk=corrupt)
         info = sender.update_info(weights, target, timeout_s=10)
         errors: list[BaseException] = []
@@ -90,6 +90,30 @@ def test_registered_pool_is_reused_across_updates():
     assert error is None and pool.reserve(0).data_ptr() == arena
     for entry, (_, tensor) in zip(weights.entries, second.items()):
         assert torch.equal(tensor, entry.tensor)
+
+
+def test_same_host_trainer_writes_into_shared_staging_memory():
+    pool = StagingPool()  # the engine's: a memfd a same-host, same-user trainer can map
+    weights = _weights()
+    staging, error, target = _transfer(weights, "t", "t", pool=pool)
+    assert error is None and target.error is None and target.transport == "shm"
+    for entry, (_, tensor) in zip(weights.entries, staging.items()):
+        assert torch.equal(tensor, entry.tensor)
+    # A trainer that does not take the offer (or cannot map it) streams the bytes over TCP.
+    staging, error, target = _transfer(_weights(), "t", "t", pool=pool, shared_memory=False)
+    assert error is None and target.transport == "tcp"
+    assert all(torch.equal(t, e.tensor) for (_, t), e in zip(staging.items(), weights.entries))
+    staging, error, target = _transfer(_weights(), "t", "t", pool=StagingPool(shared=False))
+    assert error is None and target.transport == "tcp"
+
+
+def test_shared_memory_bytes_are_still_verified_and_signed():
+    pool = StagingPool()
+    _, error, target = _transfer(_weights(), "t", "t", corrupt=3, pool=pool)
+    assert target.transport == "shm"
+    assert isinstance(error, ChecksumMismatch) and isinstance(target.error, ChecksumMismatch)
+    _, error, target = _transfer(_weights(), "wrong", "right", pool=pool)
+    assert isinstance(error, PushRefused) and isinstance(target.error, PushRefused)
 
 
 def test_flipped_byte_is_caught_on_both_ends(receiver):

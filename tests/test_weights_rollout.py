@@ -7,6 +7,7 @@ to base. The stack ends on its original weights.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -158,3 +159,76 @@ def test_rollback_to_previous_version_in_one_call(stack, admin, story):
     r = complete(stack.gateway_url)
     assert r.headers["x-yieldgate-weight-version"] == "base"
     assert r.json()["choices"][0]["text"] == story["base_text"]
+
+
+def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin, story, base_weights):
+    """mode all_at_once: every replica drains together while the gateway holds new requests,
+    then all apply the staged weights. No request fails, and every response (streamed too) is
+    labelled with the weights that produced it: greedy text identifies the version."""
+    newer = "wr-2"
+    seen: list[tuple[float, str, str, int, str, bool]] = []  # (t, replica, version, status, text, stream)
+    stop = threading.Event()
+
+    def request(http: httpx.Client, model: str, stream: bool) -> tuple[str, str, int, str]:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
+        if not stream:
+            r = http.post(stack.gateway_url + "/v1/completions", json=body)
+            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+        else:
+            with http.stream("POST", stack.gateway_url + "/v1/completions", json=body) as r:
+                chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+                text = "".join(choice["text"] for c in chunks for choice in json.loads(c).get("choices", []))
+        return (r.headers.get("x-yieldgate-replica", ""), r.headers.get("x-yieldgate-weight-version", ""),
+                r.status_code, text)
+
+    def load(model: str, stream: bool) -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                seen.append((time.monotonic(), *request(http, model, stream), stream))
+
+    with httpx.Client(timeout=120) as http:  # what the base weights say, streamed and not
+        base_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
+
+    threads = [threading.Thread(target=load, args=(m, s))
+               for m in ("demo", "demo:fast") for s in (False, True)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        report = push(perturbed(base_weights, 3), newer, gateway=stack.gateway_url,
+                      token=stack.admin_token, progress=False, mode="all_at_once")
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+
+    assert report.version == newer
+    failed = [s for s in seen if s[3] != 200]
+    assert not failed, failed[:5]
+    assert {s[2] for s in seen} == {"base", newer}
+    with httpx.Client(timeout=120) as http:
+        new_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
+    assert new_text[False] != base_text[False]
+    # The label is the truth: base-labelled responses are the base weights' text, new-labelled ones
+    # the new weights' (a request held during the swap is routed, and labelled, only afterwards).
+    expected = {"base": base_text, newer: new_text}
+    wrong = [s for s in seen if s[4] != expected[s[2]][s[5]]]
+    assert not wrong, wrong[:5]
+    assert set(versions(admin).values()) == {newer}
+
+    state = admin.get("/admin/weights").json()["rollout"]
+    assert state["state"] == "succeeded" and state["mode"] == "all_at_once"
+    events = [(e["event"], e["replica"]) for e in state["timeline"]]
+    names = [e[0] for e in events]
+    assert names.count("hold") == 1 and names.count("released") == 1
+    # One drain for the whole fleet: every replica was out before any applied the new weights.
+    last_drain = max(i for i, (e, _) in enumerate(events) if e == "drain")
+    first_update = min(i for i, (e, _) in enumerate(events) if e == "update")
+    assert last_drain < first_update
+    assert names.count("admitted") == len(stack.engines)
+    assert names.index("released") > max(i for i, (e, _) in enumerate(events) if e == "admitted")
+
+    resp = admin.post("/admin/weights/rollback", json={"to_version": "base"})
+    assert resp.status_code == 200, resp.text
+    assert set(versions(admin).values()) == {"base"}

@@ -22,3 +22,6 @@ class BridgeConfig(msgspec.Struct, kw_only=True):
     # Load each tensor as soon as it is verified (True) or only once the whole stream is (False).
     # Overlap needs a free core: on 2 cores the stream alone keeps both busy (see the benchmark).
     pipeline_load: bool = True
+    # Same host and user as the engine: write chunks straight into its staging memory (memfd)
+    # and send only their signed headers; checksums are verified in place as over TCP.
+    shared_memory: bool = True

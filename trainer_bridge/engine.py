@@ -11,7 +11,9 @@ the old weights back (`ModelSnapshot`) before the call returns, so they serve ex
 A transaction can also be split in two (`phase`): "stage" returns at once and receives + verifies
 in a background thread while the engine keeps serving; "apply" (same session) waits for it and
 loads. A rollout stages every replica in parallel and only drains a replica for the short apply.
-Staging memory is registered once (`StagingPool`) and reused by every later update.
+Staging memory is registered once (`StagingPool`) and reused by every later update; it is a
+memfd, so a trainer on the same host (same user) writes chunks straight into it and sends only
+their signed headers (see `wire`); the engine verifies every chunk either way.
 """
 
 from __future__ import annotations

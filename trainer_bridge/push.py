@@ -37,6 +37,7 @@ class PushReport(msgspec.Struct):
     bytes_per_engine: int
     seconds: float
     transfer_seconds: float  # /update_weights round: stream + verify + load_weights
+    transports: dict[str, str] = {}  # engine URL -> "shm" (same host, in place) | "tcp"
 
     @property
     def gb_per_s(self) -> float:
@@ -51,17 +52,23 @@ def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
     return WeightSet.from_model(model, dtype=dtype)
 
 
-def resolve_gateway_engines(gateway: str, admin_token: str | None) -> tuple[list[str], str | None]:
-    """Ask the gateway which engines take pushes and which push token is current.
+def resolve_gateway_engines(
+    gateway: str, admin_token: str | None, mode: str = "rolling"
+) -> tuple[list[str], str | None, torch.dtype | None]:
+    """Ask the gateway which engines take pushes, which push token is current and which dtype
+    the fleet serves (saves the trainer a /server_info round trip).
 
-    Contract (gateway side): `GET /admin/weight_targets` -> {"engines": [url...], "push_token": str}.
+    Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once` ->
+    {"engines": [url...], "push_token": str, "dtype": "bfloat16" | null}.
     """
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0,
-                     verify=tls_context())
+                     params={"mode": mode}, verify=tls_context())
     resp.raise_for_status()
     body = resp.json()
-    return list(body["engines"]), body.get("push_token")
+    dtype = getattr(torch, str(body.get("dtype") or ""), None)
+    return (list(body["engines"]), body.get("push_token"),
+            dtype if isinstance(dtype, torch.dtype) else None)
 
 
 def push(
@@ -78,8 +85,13 @@ def push(
     corrupt_chunk: int | None = None,
     corrupt_delay_s: float = 0.0,
     draft: bool = False,
+    mode: str = "rolling",
 ) -> PushReport:
     """Push weights to every engine (or every engine the gateway lists); all-or-raise.
+
+    `mode` (through a gateway): how the gateway swaps the pushed weights in, "rolling" (one
+    wave of replicas at a time, the others serve) or "all_at_once" (every replica drains
+    together while the gateway holds new requests; one drain instead of one per wave).
 
     `draft=True` pushes into each engine's speculative-decoding draft model instead (vLLM's
     /start_draft_weight_update session; engines only, not through the gateway): the served
@@ -97,9 +109,10 @@ def push(
         raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
                          "rolls out served models only")
     if gateway is not None:
-        listed, gateway_token = resolve_gateway_engines(gateway, token)
+        listed, gateway_token, served_dtype = resolve_gateway_engines(gateway, token, mode)
         engines = list(engines or []) + listed
         token = gateway_token or token
+        dtype = dtype or served_dtype
     if not engines:
         raise ValueError("push needs engines=[...] or gateway=URL")
     token = token or secrets.token_hex(16)
@@ -128,22 +141,20 @@ def _push(
     corrupt_delay_s: float = 0.0,
 ) -> PushReport:
     started = time.perf_counter()
+
+    def finish(client: EngineClient) -> None:
+        # Each engine commits as soon as its own update is in, not after the slowest one (through
+        # a gateway: its rollout starts once the engines staged, not after the checkpoint copy).
+        client.finish_weight_update(version)
+        client.reset_prefix_cache()
+
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
+        transports: dict[str, str] = {}
         failures, transfer_seconds, _ = _stream(
             pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
             label=version, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s, draft=draft,
+            transports=transports, then=finish,
         )
-
-        def finish(client: EngineClient) -> None:
-            client.finish_weight_update(version)
-            client.reset_prefix_cache()
-
-        ok = [c for c in clients if c.base_url not in failures]
-        for client, fut in [(c, pool.submit(finish, c)) for c in ok]:
-            try:
-                fut.result()
-            except Exception as exc:  # noqa: BLE001
-                failures[client.base_url] = exc
 
     if failures:
         raise PushFailed(failures)
@@ -154,6 +165,7 @@ def _push(
         bytes_per_engine=weights.total_bytes,
         seconds=time.perf_counter() - started,
         transfer_seconds=transfer_seconds,
+        transports=transports,
     )
 
 
@@ -171,12 +183,16 @@ def _stream(
     corrupt_chunk: int | None = None,
     corrupt_delay_s: float = 0.0,
     draft: bool = False,
+    transports: dict[str, str] | None = None,
+    then: Callable[[EngineClient], None] | None = None,
 ) -> tuple[dict[str, BaseException], float, dict[str, str]]:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
 
     -> (failures by engine URL, transfer seconds, session hex by engine URL). With phase "load"
     each engine has loaded the weights when this returns; with "stage" each holds them verified
-    in its staging buffers, to be loaded by `apply_staged`."""
+    in its staging buffers, to be loaded by `apply_staged`. `then(client)` runs as soon as that
+    engine's update returned and its stream ended verified (a failure in it counts as the
+    engine's); transfer seconds end there for the last engine, before its `then`."""
     failures: dict[str, BaseException] = {}
 
     def prepare(client: EngineClient) -> None:
@@ -193,12 +209,15 @@ def _stream(
 
     transfer_started = time.perf_counter()
     with ChunkSender(
-        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s
+        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s,
+        cfg.shared_memory,
     ) as sender:
         targets = {
             c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s)
             for c in live
         }
+
+        updated: list[float] = []
 
         def update(client: EngineClient) -> None:
             target = targets[client.base_url]
@@ -210,6 +229,14 @@ def _stream(
                 target.done.wait(1.0)  # let the writer record the stream-side reason first
                 target.fail(exc)
                 raise
+            # A staging engine answers at once and verifies in the background: its stream is
+            # over (status received) only once the writer is done.
+            target.done.wait(cfg.stream_timeout_s)
+            if target.error is not None:
+                raise target.error
+            updated.append(time.perf_counter())
+            if then is not None:
+                then(client)
 
         bar = _progress_bar(weights.total_bytes * len(live), label) if progress else None
         lock = threading.Lock()
@@ -235,7 +262,9 @@ def _stream(
         if bar is not None:
             bar.close()
     sessions = {url: t.session.hex() for url, t in targets.items() if url not in failures}
-    return failures, time.perf_counter() - transfer_started, sessions
+    if transports is not None:
+        transports.update({url: t.transport for url, t in targets.items() if t.transport})
+    return failures, max(updated, default=time.perf_counter()) - transfer_started, sessions
 
 
 def stage(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
+import os
 import queue
 import socket
 import threading
@@ -29,6 +31,7 @@ class ParamLayout:
 
 
 _ALIGN = 64  # every staged tensor starts on a cache line
+SHM_HEAD = 4096  # a shared arena's first page holds the cookie; staging starts after it
 
 
 class StagingPool:
@@ -40,23 +43,45 @@ class StagingPool:
     update's staging tensors out of it. Memory cost: one copy of the pushed weights per engine.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = True) -> None:
+        # shared: the arena is a memfd a trainer on this host (same user) may write into directly.
+        self.shared = shared and hasattr(os, "memfd_create")
         self._arena = torch.empty(0, dtype=torch.uint8)
+        self._fd = -1
+        self.cookie = b""
 
     @property
     def nbytes(self) -> int:
         return self._arena.numel()
 
+    @property
+    def shm_path(self) -> str | None:
+        """Where a same-host trainer opens the arena (its byte 0 is file offset `SHM_HEAD`)."""
+        return f"/proc/{os.getpid()}/fd/{self._fd}" if self._fd >= 0 else None
+
     def reserve(self, nbytes: int) -> torch.Tensor:
         """A byte arena of at least `nbytes`, every page already faulted in."""
         if self._arena.numel() < nbytes:
-            self._arena = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._arena = torch.empty(nbytes, dtype=torch.uint8)
+            self.release()  # free the old one first
+            if self.shared:
+                self._fd = os.memfd_create("yieldgate-staging")
+                os.ftruncate(self._fd, SHM_HEAD + nbytes)
+                region = mmap.mmap(self._fd, SHM_HEAD + nbytes)
+                self.cookie = os.urandom(wire.COOKIE_BYTES)
+                region[: wire.COOKIE_BYTES] = self.cookie
+                # The tensor keeps `region` alive (and mapped) for as long as any view of it lives.
+                self._arena = torch.frombuffer(region, dtype=torch.uint8, offset=SHM_HEAD, count=nbytes)
+            else:
+                self._arena = torch.empty(nbytes, dtype=torch.uint8)
             self._arena.zero_()  # fault every page now, not inside the receive loop
         return self._arena
 
     def release(self) -> None:
         self._arena = torch.empty(0, dtype=torch.uint8)
+        if self._fd >= 0:
+            os.close(self._fd)  # a trainer still holding it keeps only its own mapping
+            self._fd = -1
+        self.cookie = b""
 
 
 def _aligned(n: int) -> int:
@@ -72,14 +97,19 @@ class StagingArea:
     def __init__(self, layout: list[ParamLayout], pool: StagingPool | None = None) -> None:
         self.layout = layout
         sizes = [math.prod(p.shape) * p.dtype.itemsize for p in layout]
+        # Same-host trainers may write in place: (cookie, path, each parameter's file offset).
+        self.shm_offer: tuple[bytes, str, list[int]] | None = None
         if pool is None:
             self.tensors = [torch.empty(p.shape, dtype=p.dtype) for p in layout]
         else:
             arena = pool.reserve(sum(_aligned(n) for n in sizes))
-            self.tensors, offset = [], 0
+            self.tensors, offset, offsets = [], 0, []
             for p, n in zip(layout, sizes):
                 self.tensors.append(arena[offset : offset + n].view(p.dtype).view(p.shape))
+                offsets.append(SHM_HEAD + offset)
                 offset += _aligned(n)
+            if pool.shm_path is not None:
+                self.shm_offer = (pool.cookie, pool.shm_path, offsets)
         self.views = [wire.byte_view(t) for t in self.tensors]
         self.filled = [0] * len(layout)
         # Parameters [0, ready) are complete and verified; empty ones never get a chunk.
@@ -194,15 +224,20 @@ def receive_update(
     verifier = _Verifier(checksum, staging)
     verifier.start()
     try:
-        sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, session))
+        offer = staging.shm_offer
+        if offer is None:
+            sock.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, session))
+        else:
+            sock.sendall(wire.HELLO.pack(wire.SHM_HELLO_MAGIC, session) + wire.pack_shm_offer(*offer))
         header = memoryview(bytearray(wire.CHUNK_HEADER.size))
         while True:
             wire.recv_exact(sock, header)
-            chunk = _next_chunk(token, session, header, staging)
+            chunk = _next_chunk(token, session, header, staging, in_place_ok=offer is not None)
             if chunk is None:
                 break
-            param, slot, expected = chunk
-            wire.recv_exact(sock, slot)
+            param, slot, expected, in_place = chunk
+            if not in_place:
+                wire.recv_exact(sock, slot)
             last = staging.filled[param] == len(staging.views[param])
             verifier.jobs.put((param, slot, expected, last))
             if verifier.error is not None:
@@ -226,18 +261,22 @@ def receive_update(
         sock.close()
 
 
-def _next_chunk(token: str, session: bytes, header: memoryview,
-                staging: StagingArea) -> tuple[int, memoryview, int] | None:
-    """A received chunk header -> (param, the staging slot its bytes go to, expected checksum), or
-    None at the end marker. Refuses unsigned chunks and a short stream."""
-    param, offset, length, expected, authentic = wire.unpack_chunk_header(token, session, bytes(header))
+def _next_chunk(token: str, session: bytes, header: memoryview, staging: StagingArea,
+                in_place_ok: bool = False) -> tuple[int, memoryview, int, bool] | None:
+    """A received chunk header -> (param, the staging slot its bytes go to, expected checksum,
+    bytes already in place), or None at the end marker. Refuses unsigned chunks, a short
+    stream, and in-place chunks where no shared memory was offered."""
+    param, offset, length, expected, authentic, in_place = wire.unpack_chunk_header(
+        token, session, bytes(header))
     if not authentic:
         raise PushRefused("chunk without a valid push token")
     if param == wire.END_PARAM:
         if offset != staging.total_bytes:
             raise TransferError(f"sender sent {offset} bytes, expected {staging.total_bytes}")
         return None
-    return param, staging.slot(param, offset, length), expected
+    if in_place and not in_place_ok:
+        raise TransferError("in-place chunk, but no shared memory was offered")
+    return param, staging.slot(param, offset, length), expected, in_place
 
 
 async def receive_update_async(
@@ -277,7 +316,7 @@ async def receive_update_async(
                 chunk = _next_chunk(token, session, header, staging)
                 if chunk is None:
                     break
-                param, slot, expected = chunk
+                param, slot, expected, _ = chunk  # nothing offered: never in place
                 async with asyncio.timeout(timeout_s):
                     await fill(slot)
                 if verify(slot) != expected:

@@ -1,7 +1,8 @@
 """Rolling a new weight version through a fleet without serving a request from half-loaded
 weights, and with a one-call way back.
 
-The gateway plugs its fleet in through `Fleet` (three methods, plus an optional `tier`).
+The gateway plugs its fleet in through `Fleet` (three methods, plus optional `tier`,
+`weight_version` and `hold`/`release`).
 Before any replica leaves routing, everything that does not need a drained engine runs at once:
 version lookups, the N-1 checkpoints, push-token rotation, and *staging* the new weights on
 every plugin engine in parallel (streamed and verified into its buffers while it keeps serving);
@@ -10,9 +11,12 @@ out of routing, drain (in-flight == 0, bounded wait), apply the staged weights (
 checkpoint for engines without the plugin), reset its prefix cache, verify (health + version +
 optional eval), re-admit. Replicas swap together when every tier keeps a routable replica of
 its own meanwhile (a tier whose only replica is out borrows the others, so the fleet keeps at
-least one). Mode "all_at_once" stages, pauses every engine (`/pause?mode=wait`), applies,
-resets caches and resumes. Any failure restores the previous version from the on-disk
-checkpoint on every replica this rollout touched, then raises RolloutFailed(reason).
+least one). Mode "all_at_once" stages, then takes every replica out at once while the fleet
+holds new requests (a fleet with `hold`/`release`, the gateway's: they wait rather than fail),
+drains, applies on all in parallel, verifies, re-admits and releases; over bare engines it
+pauses them instead (`/pause?mode=wait`), applies, resets caches and resumes. Any failure
+restores the previous version from the on-disk checkpoint on every replica this rollout
+touched, then raises RolloutFailed(reason).
 """
 
 from __future__ import annotations
@@ -140,15 +144,21 @@ class Rollout:
         self._saving: asyncio.Future | None = None
 
     async def run(
-        self, weights: ModelLike, version: str, staged: Mapping[str, str] | None = None
+        self, weights: ModelLike | asyncio.Future, version: str,
+        staged: Mapping[str, str] | None = None,
     ) -> RolloutReport:
         """`staged`: replica -> session the trainer already streamed `weights` into (straight to
-        the engines, armed with `self.token`); those replicas skip token rotation and staging."""
+        the engines, armed with `self.token`); those replicas skip token rotation and staging.
+        `weights` may then be a future (a copy still arriving): only the checkpoint waits for it,
+        and a replica without a session reloads that checkpoint."""
         started = time.perf_counter()
         replicas = [r.rstrip("/") for r in self.fleet.replicas()]
         if not replicas:
             raise RolloutFailed("fleet has no replicas")
-        wset = _weights(weights, None)
+        pending = weights if isinstance(weights, asyncio.Future) else None
+        if pending is not None and not staged:
+            raise ValueError("weights still arriving need pre-staged replicas")
+        wset = WeightSet([]) if pending is not None else _weights(weights, None)
         self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
         self._saving = None
         waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
@@ -161,13 +171,17 @@ class Rollout:
         # stage the weights on every plugin engine, while the N-1 checkpoints are made sure of
         # and this version is written to disk (it becomes N-1 for the next rollout).
         async def checkpoints() -> dict[str, str]:
-            found = await asyncio.gather(*(asyncio.to_thread(_version, r) for r in replicas))
+            known = getattr(self.fleet, "weight_version", None)  # saves a round trip per engine
+            found = [known(r) for r in replicas] if known is not None else await asyncio.gather(
+                *(asyncio.to_thread(_version, r) for r in replicas))
             previous = dict(zip(replicas, found))
             for prev in set(previous.values()):
                 await asyncio.to_thread(self._ensure_checkpoint, prev)
-            self._saving = asyncio.ensure_future(
-                asyncio.to_thread(self.store.save, version, wset.state_dict())
-            )
+            async def save() -> None:
+                ready = _weights(await pending, None) if pending is not None else wset
+                await asyncio.to_thread(self.store.save, version, ready.state_dict())
+
+            self._saving = asyncio.ensure_future(save())
             return previous
 
         prepared = await asyncio.gather(checkpoints(), self._prepare(replicas, wset),
@@ -187,6 +201,7 @@ class Rollout:
 
         touched: list[str] = []
         methods: dict[str, str] = {}
+        held = False
         try:
             if self.mode == "rolling":
                 for wave in waves:
@@ -198,6 +213,13 @@ class Rollout:
                     for outcome in outcomes:
                         if isinstance(outcome, BaseException):
                             raise outcome
+            elif hasattr(self.fleet, "hold"):
+                # The fleet holds new requests (they wait, none fails) while every replica drains
+                # at once, applies the staged weights and comes back: one drain, not one per wave.
+                self.fleet.hold()
+                held = True
+                self._note("hold", detail="new requests wait while every replica swaps")
+                await self._swap_all(replicas, wset, version, token, touched, methods)
             else:
                 await asyncio.gather(*(asyncio.to_thread(_pause, r) for r in replicas))
                 touched.extend(replicas)
@@ -209,6 +231,10 @@ class Rollout:
                     await asyncio.gather(*(self._verify(r, version) for r in replicas))
                 finally:
                     await asyncio.gather(*(asyncio.to_thread(_resume, r) for r in replicas))
+            if held:
+                held = False
+                self.fleet.release()
+                self._note("released")
             await self._saved(version, keep=True)
         except RolloutFailed as exc:
             await self._abort(version, touched, previous)
@@ -216,6 +242,10 @@ class Rollout:
         except Exception as exc:  # noqa: BLE001 - any failure means: put the old weights back
             await self._abort(version, touched, previous)
             raise RolloutFailed(f"{type(exc).__name__}: {exc}", touched[-1] if touched else None) from exc
+        finally:
+            if held:  # held requests go once the old weights are back (or time out)
+                self.fleet.release()
+                self._note("released")
         return RolloutReport(version, self.mode, replicas, previous, methods, time.perf_counter() - started)
 
     async def _prepare(self, replicas: list[str], wset: WeightSet) -> str:
@@ -253,6 +283,26 @@ class Rollout:
         methods[replica] = await self._update(replica, wset, version, token)
         await self._verify(replica, version)
         await self.fleet.set_routable(replica, True)
+
+    async def _swap_all(self, replicas: list[str], wset: WeightSet, version: str, token: str,
+                        touched: list[str], methods: dict[str, str]) -> None:
+        drains = await asyncio.gather(*(self._take_out(r) for r in replicas), return_exceptions=True)
+        failed = next((d for d in drains if isinstance(d, BaseException)), None)
+        if failed is not None:
+            for r in replicas:  # untouched: they still serve the old version
+                await self.fleet.set_routable(r, True)
+            raise failed
+        touched.extend(replicas)
+        # Every update ends (or fails) before a failure is raised: the restore must not race one.
+        results = await asyncio.gather(*(self._update(r, wset, version, token) for r in replicas),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        methods.update(zip(replicas, results))
+        await asyncio.gather(*(self._verify(r, version) for r in replicas))
+        for r in replicas:
+            await self.fleet.set_routable(r, True)
 
     async def _saved(self, version: str, keep: bool) -> None:
         """Wait for this version's checkpoint; `keep=False` forgets it (a rollout that failed)."""

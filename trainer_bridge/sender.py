@@ -8,9 +8,11 @@ buffering), so sender memory is bounded by the chunk size, not the model size.
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -36,9 +38,11 @@ class StreamTarget:
     bytes_sent: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    transport: str = ""  # "shm" (wrote into the engine's staging memory) | "tcp"
     _queue: queue.Queue = field(default_factory=lambda: queue.Queue(_QUEUE_DEPTH))
     _conn: socket.socket | None = None
     _connected: threading.Event = field(default_factory=threading.Event)
+    _shm: tuple[memoryview, list[int]] | None = None  # the engine's staging memory, param offsets
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -65,8 +69,10 @@ class ChunkSender:
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
         checksum: str = "crc32",
         connect_timeout_s: float = 60.0,
+        shared_memory: bool = True,
     ) -> None:
         self.chunk_bytes = chunk_bytes
+        self.shared_memory = shared_memory
         self.checksum = checksum
         self.connect_timeout_s = connect_timeout_s
         self._listener = socket.create_server((bind_host, 0))
@@ -140,13 +146,16 @@ class ChunkSender:
             try:
                 conn.settimeout(self.connect_timeout_s)
                 magic, session = wire.HELLO.unpack(wire.recv_bytes(conn, wire.HELLO.size))
-            except (OSError, TransferError, ValueError):
+                offer = wire.recv_shm_offer(conn) if magic == wire.SHM_HELLO_MAGIC else None
+            except (OSError, TransferError, ValueError, struct.error):
                 conn.close()
                 continue
             target = pending.pop(session, None)
-            if magic != wire.HELLO_MAGIC or target is None:
+            if magic not in (wire.HELLO_MAGIC, wire.SHM_HELLO_MAGIC) or target is None:
                 conn.close()  # a stranger, or a replayed session: not ours to feed
                 continue
+            target._shm = _map_offer(offer) if offer is not None and self.shared_memory else None
+            target.transport = "shm" if target._shm is not None else "tcp"
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
             target._conn = conn
@@ -190,17 +199,23 @@ class ChunkSender:
             if target.done.is_set() or target._conn is None:
                 return
             conn = target._conn
+            shm = target._shm
             while (item := target._queue.get()) is not None:
                 param, offset, payload, crc, seq = item
+                in_place = shm is not None and param != wire.END_PARAM
                 header = wire.pack_chunk_header(
-                    target.token, target.session, param, offset, len(payload), crc
+                    target.token, target.session, param, offset, len(payload), crc, in_place
                 )
                 if seq == target.corrupt_chunk and len(payload):
                     time.sleep(target.corrupt_delay_s)
                     bad = bytearray(payload)
                     bad[len(bad) // 2] ^= 0xFF  # flipped after the checksum was taken
                     payload = memoryview(bad)
-                _send_frame(conn, header, payload)
+                if in_place:
+                    _write_in_place(shm, param, offset, payload)
+                    conn.sendall(header)  # the engine reads the bytes where they now are
+                else:
+                    _send_frame(conn, header, payload)
                 if len(payload):
                     target.bytes_sent += len(payload)
                     if on_progress is not None:
@@ -216,6 +231,7 @@ class ChunkSender:
             target.fail(exc)
         finally:
             target.done.set()
+            target._shm = None  # unmapped once the last view is gone
             if target._conn is not None:
                 target._conn.close()
             while True:  # unblock the producer if it is waiting on this queue
@@ -223,6 +239,53 @@ class ChunkSender:
                     target._queue.get_nowait()
                 except queue.Empty:
                     break
+
+
+# Engine staging memory this process has mapped, by path: kept between pushes like a registered
+# RDMA region (a fresh mapping costs a page-table fault per 4 KB page on the first write: ~0.1 s
+# for 386 MB). One entry per path; dropped once its engine is gone or re-registered its arena.
+_MAPPED: dict[str, memoryview] = {}
+_MAPPED_LOCK = threading.Lock()
+
+
+def _map_offer(offer: tuple[bytes, str, list[int]]) -> tuple[memoryview, list[int]] | None:
+    """Map the engine's staging memory if it is reachable from here: same host, same user, and
+    the cookie the engine wrote at its start is there (so the path is not another host's
+    namesake). -> (its bytes, parameter offsets), or None (stream over the socket instead)."""
+    cookie, path, offsets = offer
+    with _MAPPED_LOCK:
+        for known in [p for p in _MAPPED if not os.path.exists(p)]:
+            del _MAPPED[known]  # its engine exited: let its memory go
+        region = _MAPPED.get(path)
+        if region is not None and bytes(region[: len(cookie)]) == cookie:
+            return region, offsets
+        _MAPPED.pop(path, None)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            return None
+        try:
+            mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        if mapped[: len(cookie)] != cookie:
+            mapped.close()
+            return None
+        _MAPPED[path] = memoryview(mapped)
+        return _MAPPED[path], offsets
+
+
+def _write_in_place(shm: tuple[memoryview, list[int]], param: int, offset: int,
+                    payload: memoryview) -> None:
+    region, offsets = shm
+    if param >= len(offsets):
+        raise TransferError(f"no staging offset for parameter index {param}")
+    start = offsets[param] + offset
+    if start + len(payload) > len(region):
+        raise TransferError("chunk beyond the engine's staging memory")
+    region[start : start + len(payload)] = payload
 
 
 def _send_frame(conn: socket.socket, header: bytes, payload: memoryview) -> None:

@@ -6,9 +6,20 @@ the byte offset and length inside it, a checksum of the payload and an authentic
 receiver reads the payload straight into the named buffer slice (no intermediate copy).
 
     engine -> trainer   HELLO  magic "YGH1" | session (16 bytes)
+                        or "YGH2" | session | SHM offer (below)
     trainer -> engine   CHUNK  header (40 bytes) | payload (length bytes)      ... repeated
+                        or header with magic "YGS1" and no payload: the bytes are already in place
     trainer -> engine   END    header with param == END_PARAM, offset == total bytes
     engine -> trainer   STATUS "YGOK" | "YGNO" u32 len, utf-8 reason
+
+Same host, same user: the engine's staging arena is a memfd, and the offer names it
+(`/proc/<pid>/fd/<n>`), with a random cookie written at its start and each parameter's offset in
+it. A trainer that can open it and reads the cookie there writes every chunk's payload straight
+into the engine's staging buffer (a one-sided write, as vLLM's CUDA IPC path for colocated
+trainers) and sends only the signed header; the engine checksums the bytes in place as always.
+Any other trainer ignores the offer and streams over the socket.
+
+    SHM offer           cookie (16) | u32 path length | path | u32 n | n x u64 offsets
 """
 
 from __future__ import annotations
@@ -25,7 +36,10 @@ import torch
 from trainer_bridge.errors import TransferError
 
 HELLO_MAGIC = b"YGH1"
+SHM_HELLO_MAGIC = b"YGH2"
 CHUNK_MAGIC = b"YGC1"
+SHM_CHUNK_MAGIC = b"YGS1"  # payload already written into the receiver's shared staging memory
+COOKIE_BYTES = 16
 STATUS_OK = b"YGOK"
 STATUS_NO = b"YGNO"
 SESSION_BYTES = 16
@@ -78,22 +92,41 @@ def chunk_tag(token: str, session: bytes, signed: bytes) -> bytes:
 
 
 def pack_chunk_header(
-    token: str, session: bytes, param: int, offset: int, length: int, checksum: int
+    token: str, session: bytes, param: int, offset: int, length: int, checksum: int,
+    in_place: bool = False,
 ) -> bytes:
-    signed = _SIGNED.pack(CHUNK_MAGIC, param, offset, length, checksum)
+    signed = _SIGNED.pack(SHM_CHUNK_MAGIC if in_place else CHUNK_MAGIC, param, offset, length, checksum)
     return signed + chunk_tag(token, session, signed)
 
 
 def unpack_chunk_header(
     token: str, session: bytes, header: bytes
-) -> tuple[int, int, int, int, bool]:
-    """-> (param, offset, length, checksum, authentic)."""
+) -> tuple[int, int, int, int, bool, bool]:
+    """-> (param, offset, length, checksum, authentic, in_place)."""
     magic, param, offset, length, checksum, tag = CHUNK_HEADER.unpack(header)
-    if magic != CHUNK_MAGIC:
+    if magic not in (CHUNK_MAGIC, SHM_CHUNK_MAGIC):
         raise TransferError(f"bad chunk magic {magic!r}")
     signed = header[: _SIGNED.size]
     authentic = hmac.compare_digest(tag, chunk_tag(token, session, signed))
-    return param, offset, length, checksum, authentic
+    return param, offset, length, checksum, authentic, magic == SHM_CHUNK_MAGIC
+
+
+def pack_shm_offer(cookie: bytes, path: str, offsets: list[int]) -> bytes:
+    raw = path.encode()
+    return (cookie + struct.pack("<I", len(raw)) + raw + struct.pack("<I", len(offsets))
+            + struct.pack(f"<{len(offsets)}Q", *offsets))
+
+
+def recv_shm_offer(sock: socket.socket) -> tuple[bytes, str, list[int]]:
+    cookie = recv_bytes(sock, COOKIE_BYTES)
+    (n,) = struct.unpack("<I", recv_bytes(sock, 4))
+    if n > 4096:
+        raise TransferError("shared-memory path too long")
+    path = recv_bytes(sock, n).decode()
+    (count,) = struct.unpack("<I", recv_bytes(sock, 4))
+    if count > 1 << 20:
+        raise TransferError("too many parameters in the shared-memory offer")
+    return cookie, path, list(struct.unpack(f"<{count}Q", recv_bytes(sock, 8 * count)))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
