@@ -113,15 +113,17 @@ def to_conversation(messages: list[dict[str, Any]], content_format: ContentForma
     for message in messages:
         role = message["role"]
         content = message.get("content")
-        if content is None:
-            parts: list[Any] = []
-        elif isinstance(content, str):
-            # vLLM wraps a plain string as one text part before parsing.
-            parts = [{"type": "text", "text": content}]
-        else:
-            parts = list(content)
-        texts = [t for t in (_text_of(p) for p in parts) if t is not None]
         out: dict[str, Any] = {"role": role}
+        if isinstance(content, str):
+            # vLLM wraps a plain string as one text part, which the general path below turns back
+            # into the same string (or that one part); the common case, without the detour.
+            out["content"] = content if content_format == "string" or role == "tool" else [
+                {"type": "text", "text": content}]
+            _add_calls_and_names(out, message, role)
+            conversation.append(out)
+            continue
+        parts: list[Any] = [] if content is None else list(content)
+        texts = [t for t in (_text_of(p) for p in parts) if t is not None]
         if content_format == "openai":
             wrapped = []
             for part in parts:
@@ -138,25 +140,29 @@ def to_conversation(messages: list[dict[str, Any]], content_format: ContentForma
         if role == "tool" and isinstance(out["content"], list):
             # vLLM flattens text-only tool results to a string for tool-unaware templates.
             out["content"] = "\n".join(texts) if texts else ""
-        if role == "assistant" and message.get("tool_calls") is not None:
-            calls = []
-            for call in message["tool_calls"]:
-                call = dict(call)
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        fn["arguments"] = {}
-                call["function"] = fn
-                calls.append(call)
-            out["tool_calls"] = calls
-        if role == "tool" and "tool_call_id" in message:
-            out["tool_call_id"] = message["tool_call_id"]
-        if isinstance(message.get("name"), str):
-            out["name"] = message["name"]
+        _add_calls_and_names(out, message, role)
         conversation.append(out)
     return conversation
+
+
+def _add_calls_and_names(out: dict[str, Any], message: dict[str, Any], role: str) -> None:
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = []
+        for call in message["tool_calls"]:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    fn["arguments"] = {}
+            call["function"] = fn
+            calls.append(call)
+        out["tool_calls"] = calls
+    if role == "tool" and "tool_call_id" in message:
+        out["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
 
 
 class ChatTemplate:

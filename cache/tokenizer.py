@@ -32,8 +32,8 @@ Backend = Literal["tiktoken", "hf"]
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-# Segments shorter than this are cheaper to encode than to look up; the cache holds this many.
-_CACHE_MIN_CHARS = 256
+# Segments cached (oldest dropped first). Short ones too: tiktoken's call overhead alone (~3 µs for
+# a role name like "user\n") is 10-30x a dict lookup, and a chat template repeats a few of them.
 _CACHE_MAX_SEGMENTS = 4096
 
 class NotConvertible(ValueError):
@@ -239,7 +239,7 @@ class Tokenizer:
         return ids
 
     def _encode_segments(self, text: str) -> list[int]:
-        """tiktoken's encode, one special-token-delimited segment at a time, long segments cached.
+        """tiktoken's encode, one special-token-delimited segment at a time, segments cached.
 
         BPE never merges across a special token, so encoding the text between special tokens on its
         own gives the same ids; a system prompt or tool list shared by many requests is then
@@ -256,13 +256,12 @@ class Tokenizer:
             if i % 2:  # odd pieces are the special tokens the split captured
                 out.append(self._special_ids[piece])
                 continue
-            ids = cache.get(piece) if len(piece) >= _CACHE_MIN_CHARS else None
+            ids = cache.get(piece)
             if ids is None:
                 ids = self._ids(self.encoding.encode_ordinary(piece))
-                if len(piece) >= _CACHE_MIN_CHARS:
-                    if len(cache) >= _CACHE_MAX_SEGMENTS:
-                        del cache[next(iter(cache))]  # oldest first
-                    cache[piece] = ids
+                if len(cache) >= _CACHE_MAX_SEGMENTS:
+                    del cache[next(iter(cache))]  # oldest first
+                cache[piece] = ids
             out.extend(ids)
         return out
 

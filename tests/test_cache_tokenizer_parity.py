@@ -164,3 +164,19 @@ def test_non_byte_level_tokenizer_falls_back_to_hf(tmp_path: Path) -> None:
     tok = Tokenizer.from_model_dir(tmp_path)
     assert tok.backend == "hf" and "normalizer" in (tok.not_convertible_reason or "")
     assert tok.encode("HeLLo") == tok.encode("hello")
+
+
+def test_segment_cache_gives_the_ids_of_an_uncached_encode() -> None:
+    """Every segment between special tokens is cached, short ones included; a warm cache must
+    give what the HF tokenizer gives for the whole text."""
+    from serving.demo_model import ensure_demo_model
+    tok = Tokenizer.from_model_dir(Path(ensure_demo_model()))
+    assert tok.backend == "tiktoken"
+    system = "You are a helpful assistant. " * 20
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}: why?"}]
+             for i in range(5)] + [[{"role": "user", "content": "user\n"}], [{"role": "user", "content": "\n"}]]
+    for _ in range(2):  # cold, then warm
+        for messages in chats:
+            text = tok.render_chat(messages)
+            assert tok.encode_chat(messages) == tok.hf.encode(text, add_special_tokens=False).ids
+    assert "\n" in tok._segment_cache  # the template's short separators are cached too

@@ -88,6 +88,21 @@ def test_advisor_reports_per_key_and_stays_bounded():
     assert len(adv._last) == 50
 
 
+def test_advisor_keeps_a_copy_of_a_first_prompt():
+    """A session's first prompt is kept as given (no array conversion until a second prompt
+    comes), so it must be a copy: the caller's list may change afterwards. A tuple, which the
+    garbage collector stops tracking (10,000 kept lists slowed every collection)."""
+    adv = CacheAdvisor()
+    first = chat(1)
+    assert adv.observe("k", "s", first) is None
+    assert isinstance(adv._last["k", "s"][0], tuple)
+    kept = list(first)
+    first[:] = [7] * len(first)
+    d = adv.observe("k", "s", chat(3))
+    assert d is not None and d.kind == "none" and d.reused_tokens == len(kept)
+    assert diagnose(kept, chat(3)) == d
+
+
 @pytest.mark.parametrize("n", [0, 1, 5000])
 def test_diagnose_handles_sizes(n):
     toks = list(range(n))
