@@ -35,6 +35,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     ledger: bool = True
     request_metrics: bool = True
 
+    def __post_init__(self) -> None:
+        # Keys, budgets and rate limits live in Redis: there is no Redis-less mode to fall back to.
+        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"server.redis_url must be a redis://, rediss:// or unix:// URL, not {self.redis_url!r}")
+
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 1024 * 1024

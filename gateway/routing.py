@@ -58,8 +58,6 @@ class Routing:
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
         url = self.config.server.redis_url
-        if not url:
-            return PrefixIndex()
         client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
         try:
             await client.ping()

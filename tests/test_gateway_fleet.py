@@ -65,6 +65,11 @@ def test_env_overrides_and_demo_fleet_default(tmp_path):
     path.write_text('[server]\nbogus = 1\n')
     with pytest.raises(ConfigError):
         load_config(path, env={})
+    # Keys, budgets and limits need Redis: an empty or schemeless URL is a config error, not a
+    # traceback at startup (it was one).
+    for bad in ("", "127.0.0.1:6379"):
+        with pytest.raises(ConfigError, match="redis_url"):
+            load_config(None, env={"YIELDGATE_SERVER__REDIS_URL": bad})
 
 
 def test_public_bind_without_credentials_refuses_to_start():
