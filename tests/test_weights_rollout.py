@@ -58,6 +58,23 @@ def complete(gateway: str, prompt: str = PROMPT, model: str = "demo", max_tokens
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
 
+def push_under_load(stack, threads: list[threading.Thread], stop: threading.Event, weights, version: str,
+                    **kw):
+    """Push through the gateway while `threads` send requests (from 1 s before to 1 s after)."""
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        report = push(weights, version, gateway=stack.gateway_url, token=stack.admin_token,
+                      progress=False, **kw)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    return report
+
+
 def versions(admin: httpx.Client) -> dict[str, str]:
     return {n: r["weight_version"] for n, r in admin.get("/admin/weights").json()["replicas"].items()}
 
@@ -92,17 +109,7 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
                              r.headers.get("x-yieldgate-weight-version", ""), r.status_code, fp))
 
     threads = [threading.Thread(target=load, args=(m,)) for m in ("demo", "demo:fast")]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.0)
-        report = push(perturbed(base_weights, 1), NEW, gateway=stack.gateway_url,
-                      token=stack.admin_token, progress=False)
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    report = push_under_load(stack, threads, stop, perturbed(base_weights, 1), NEW)
 
     assert report.version == NEW
     failed = [s for s in seen if s[3] != 200]
@@ -191,17 +198,7 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
 
     threads = [threading.Thread(target=load, args=(m, s))
                for m in ("demo", "demo:fast") for s in (False, True)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.0)
-        report = push(perturbed(base_weights, 3), newer, gateway=stack.gateway_url,
-                      token=stack.admin_token, progress=False, mode="all_at_once")
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
+    report = push_under_load(stack, threads, stop, perturbed(base_weights, 3), newer, mode="all_at_once")
 
     assert report.version == newer
     failed = [s for s in seen if s[3] != 200]
