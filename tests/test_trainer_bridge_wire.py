@@ -158,6 +158,23 @@ def test_checkpoint_store_keeps_n_versions_and_knows_the_previous(tmp_path):
         store.path("../evil")
 
 
+def test_checkpoint_store_never_evicts_a_version_still_served(tmp_path):
+    """Saving N makes room by evicting the oldest versions, but not the ones still served (a
+    failed rollout of N restores them); the launch weights stay reachable once evicted."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    store = CheckpointStore(tmp_path / "versions", base, keep=2)
+    store.adopt("default", base)
+    store.save("v1", {"w": torch.zeros(2)})
+    store.save("v2", {"w": torch.ones(2)}, protect={"default"})  # v1 goes, default is served
+    assert store.versions() == ["default", "v2"]
+    store.save("v3", {"w": torch.ones(2)}, protect={"v2"})
+    assert store.versions() == ["v2", "v3"]
+    assert store.source("default") == base
+    assert store.source("v3") == store.path("v3")
+
+
 def test_swap_waves_keep_every_tier_served():
     from trainer_bridge.rollout import swap_waves
 

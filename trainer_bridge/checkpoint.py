@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -81,9 +81,12 @@ class CheckpointStore:
     def has(self, version: str) -> bool:
         return version in self.versions() and (self.path(version) / "model.safetensors").exists()
 
-    def save(self, version: str, state_dict: Mapping[str, torch.Tensor]) -> Path:
+    def save(self, version: str, state_dict: Mapping[str, torch.Tensor],
+             protect: Collection[str] = ()) -> Path:
+        """`protect`: versions not to evict for room, e.g. the ones still served while `version`
+        rolls out (a failure restores them from here)."""
         path = write_checkpoint(state_dict, self.base_model_dir, self.path(version))
-        self._record(version)
+        self._record(version, protect)
         return path
 
     def adopt(self, version: str, model_dir: str | Path) -> Path:
@@ -106,11 +109,21 @@ class CheckpointStore:
         i = versions.index(version)
         return versions[i - 1] if i > 0 else None
 
-    def _record(self, version: str) -> None:
+    def source(self, version: str) -> Path:
+        """The directory that holds `version`'s weights. The launch weights ("default") never
+        leave disk: once evicted from the store, they are read from the base model."""
+        if version == "default" and not self.has(version):
+            return self.base_model_dir
+        return self.path(version)
+
+    def _record(self, version: str, protect: Collection[str] = ()) -> None:
+        """Add `version` as the newest, then evict the oldest beyond `keep` (not `protect`ed)."""
         versions = [v for v in self.versions() if v != version] + [version]
-        for old in versions[: -self.keep] if self.keep > 0 else []:
+        excess = len(versions) - self.keep if self.keep > 0 else 0
+        evict = [v for v in versions[:-1] if v not in protect][: max(excess, 0)]
+        for old in evict:
             shutil.rmtree(self.path(old), ignore_errors=True)
-        self._write_index(versions[-self.keep :] if self.keep > 0 else versions)
+        self._write_index([v for v in versions if v not in evict])
 
     def _write_index(self, versions: list[str]) -> None:
         tmp = self._index.with_suffix(".tmp")

@@ -179,7 +179,10 @@ class Rollout:
                 await asyncio.to_thread(self._ensure_checkpoint, prev)
             async def save() -> None:
                 ready = _weights(await pending, None) if pending is not None else wset
-                await asyncio.to_thread(self.store.save, version, ready.state_dict())
+                # The versions served now stay on disk until this one is through: a failure
+                # restores them from there.
+                await asyncio.to_thread(self.store.save, version, ready.state_dict(),
+                                        set(previous.values()))
 
             self._saving = asyncio.ensure_future(save())
             return previous
@@ -385,7 +388,7 @@ class Rollout:
             prev = previous[replica]
             try:
                 await asyncio.to_thread(
-                    reload_from_checkpoint, replica, self.store.path(prev), prev
+                    reload_from_checkpoint, replica, self.store.source(prev), prev
                 )
             except (BridgeError, httpx.HTTPError, ValueError) as exc:
                 log.error("rollback of %s to %s failed: %s", replica, prev, exc)
