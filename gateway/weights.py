@@ -217,9 +217,9 @@ class GatewayRollout(Rollout):
         name = self.rfleet.by_url[replica].name if replica in self.rfleet.by_url else replica
         self.state.note(event, name, detail)
 
-    async def _abort(self, version: str, touched: list[str], previous: dict[str, str]) -> None:
+    async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
         self.rfleet.verified.clear()  # restored replicas are labelled from the engine again
-        await super()._abort(version, touched, previous)
+        await super()._restore(replicas, previous)
 
     def _stage_targets(self, replicas: list[str]) -> list[str]:
         # A checkpoint rollout reloads from disk; only pushed weights are staged over the wire.

@@ -204,7 +204,6 @@ class Rollout:
 
         touched: list[str] = []
         methods: dict[str, str] = {}
-        held = False
         try:
             if self.mode == "rolling":
                 for wave in waves:
@@ -217,12 +216,7 @@ class Rollout:
                         if isinstance(outcome, BaseException):
                             raise outcome
             elif hasattr(self.fleet, "hold"):
-                # The fleet holds new requests (they wait, none fails) while every replica drains
-                # at once, applies the staged weights and comes back: one drain, not one per wave.
-                self.fleet.hold()
-                held = True
-                self._note("hold", detail="new requests wait while every replica swaps")
-                await self._swap_all(replicas, wset, version, token, touched, methods)
+                await self._swap_all_held(replicas, wset, version, token, touched, methods, previous)
             else:
                 await asyncio.gather(*(asyncio.to_thread(_pause, r) for r in replicas))
                 touched.extend(replicas)
@@ -234,10 +228,6 @@ class Rollout:
                     await asyncio.gather(*(self._verify(r, version) for r in replicas))
                 finally:
                     await asyncio.gather(*(asyncio.to_thread(_resume, r) for r in replicas))
-            if held:
-                held = False
-                self.fleet.release()
-                self._note("released")
             await self._saved(version, keep=True)
         except RolloutFailed as exc:
             await self._abort(version, touched, previous)
@@ -245,10 +235,6 @@ class Rollout:
         except Exception as exc:  # noqa: BLE001 - any failure means: put the old weights back
             await self._abort(version, touched, previous)
             raise RolloutFailed(f"{type(exc).__name__}: {exc}", touched[-1] if touched else None) from exc
-        finally:
-            if held:  # held requests go once the old weights are back (or time out)
-                self.fleet.release()
-                self._note("released")
         return RolloutReport(version, self.mode, replicas, previous, methods, time.perf_counter() - started)
 
     async def _prepare(self, replicas: list[str], wset: WeightSet) -> str:
@@ -299,7 +285,9 @@ class Rollout:
         # Every update ends (or fails) before a failure is raised: the restore must not race one.
         results = await asyncio.gather(*(self._update(r, wset, version, token) for r in replicas),
                                        return_exceptions=True)
-        for result in results:
+        for replica, result in zip(replicas, results):
+            if isinstance(result, Exception) and not isinstance(result, RolloutFailed):
+                raise RolloutFailed(f"{type(result).__name__}: {result}", replica) from result
             if isinstance(result, BaseException):
                 raise result
         methods.update(zip(replicas, results))
@@ -307,15 +295,39 @@ class Rollout:
         for r in replicas:
             await self.fleet.set_routable(r, True)
 
+    async def _swap_all_held(self, replicas: list[str], wset: WeightSet, version: str, token: str,
+                             touched: list[str], methods: dict[str, str],
+                             previous: dict[str, str]) -> None:
+        """`_swap_all` while the fleet holds new requests (they wait, none fails): one drain for
+        every replica, not one per wave. Held requests go once every replica serves the new
+        weights, or, after a failure, once the old ones are back (restored here, so `touched`
+        is emptied for the caller's abort)."""
+        self.fleet.hold()  # type: ignore[attr-defined]
+        self._note("hold", detail="new requests wait while every replica swaps")
+        try:
+            await self._swap_all(replicas, wset, version, token, touched, methods)
+        except BaseException:
+            await self._restore(touched, previous)
+            touched.clear()
+            raise
+        finally:
+            self.fleet.release()  # type: ignore[attr-defined]
+            self._note("released")
+
     async def _saved(self, version: str, keep: bool) -> None:
         """Wait for this version's checkpoint; `keep=False` forgets it (a rollout that failed)."""
         saving, self._saving = self._saving, None
         if saving is None:
             return  # never started writing it: whatever the store holds under this name stays
-        await asyncio.gather(saving, return_exceptions=not keep)
         if keep:
+            try:
+                await saving
+            except Exception as exc:  # e.g. the gateway's copy of a push failed its checksums
+                self._saving = saving  # the abort decides whether what it left is discarded
+                raise RolloutFailed(f"checkpoint of {version!r} not saved: {type(exc).__name__}: {exc}") from exc
             self._note("checkpointed", detail=f"{self.store.versions()}")
         else:
+            await asyncio.gather(saving, return_exceptions=True)
             await asyncio.to_thread(self.store.discard, version)
 
     async def _drop_staged(self) -> None:
