@@ -20,6 +20,7 @@ from trainer_bridge import (
     BridgeConfig,
     ChecksumMismatch,
     EngineClient,
+    PushFaults,
     PushRefused,
     RolloutFailed,
     WeightSet,
@@ -162,8 +163,8 @@ def test_flipped_byte_is_refused_and_old_weights_keep_serving(on_base, base_weig
     url = on_base
     before = text(url)
     with pytest.raises(ChecksumMismatch):
-        push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN, corrupt_chunk=5,
-                       config=bridge(transport))
+        push_to_engine(url, perturbed(base_weights, 2), "corrupt", token=TOKEN,
+                       faults=PushFaults(corrupt_chunk=5), config=bridge(transport))
     assert engine_weight_version(url) == "base"
     assert text(url) == before
 
@@ -190,7 +191,7 @@ def test_late_chunk_failure_restores_the_old_weights_exactly(on_base, base_weigh
     with pytest.raises(ChecksumMismatch) as failure:
         # Held back 1 s, so every earlier tensor has been loaded (and processed) by then.
         push_to_engine(url, perturbed(base_weights, 10), "late-corrupt", token=TOKEN,
-                       corrupt_chunk=chunks - 1, corrupt_delay_s=1.0, config=bridge(transport))
+                       faults=PushFaults(corrupt_chunk=chunks - 1, delay_s=1.0), config=bridge(transport))
     notes = " ".join(getattr(failure.value, "__notes__", []))
     loaded = re.search(r"after loading (\d+) of (\d+) tensors", notes)
     assert loaded is not None, notes

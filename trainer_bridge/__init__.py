@@ -18,6 +18,7 @@ from trainer_bridge.errors import (
     TransferError,
 )
 from trainer_bridge.push import (
+    PushFaults,
     PushReport,
     apply_staged,
     arm_engine,
@@ -39,6 +40,7 @@ __all__ = [
     "EngineClient",
     "EngineRequestError",
     "PushFailed",
+    "PushFaults",
     "PushRefused",
     "PushReport",
     "RolloutFailed",

@@ -46,6 +46,30 @@ class PushReport(msgspec.Struct):
         return total / self.transfer_seconds / 1e9 if self.transfer_seconds else 0.0
 
 
+class PushFaults(msgspec.Struct, frozen=True, kw_only=True):
+    """Faults a test injects into a push: chunk `corrupt_chunk` gets one byte flipped after it
+    was checksummed, sent after `delay_s` (so an engine loads what came before it first), to
+    the target URLs `only` accepts (None: every target)."""
+
+    corrupt_chunk: int | None = None
+    delay_s: float = 0.0
+    only: Callable[[str], bool] | None = None
+
+    def stream_target(self, url: str, token: str) -> StreamTarget:
+        hit = self.only is None or self.only(url)
+        return StreamTarget(token=token, corrupt_chunk=self.corrupt_chunk if hit else None,
+                            corrupt_delay_s=self.delay_s)
+
+
+class _Streamed(msgspec.Struct):
+    """What `_stream` did, per engine URL."""
+
+    failures: dict[str, BaseException]
+    transfer_seconds: float
+    sessions: dict[str, str]  # session hex, for the engines that did not fail
+    transports: dict[str, str]
+
+
 def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
     if isinstance(model, WeightSet):
         return model
@@ -82,8 +106,7 @@ def push(
     progress: bool = True,
     init: bool = True,
     config: BridgeConfig | None = None,
-    corrupt_chunk: int | None = None,
-    corrupt_delay_s: float = 0.0,
+    faults: PushFaults | None = None,
     draft: bool = False,
     mode: str = "rolling",
 ) -> PushReport:
@@ -99,8 +122,7 @@ def push(
 
     `dtype`: wire/staging dtype; default is the first engine's serving dtype (vLLM on CPU serves
     fp32 checkpoints as bf16, so that halves the bytes). `init=False` skips arming the engine
-    (it must already hold `token`). `corrupt_chunk` flips one byte after checksumming, and
-    `corrupt_delay_s` holds that chunk back first so the engine loads what came before (tests).
+    (it must already hold `token`). `faults` corrupts a chunk on purpose (tests).
     Raises PushFailed (with per-engine causes) if any engine did not take the update; those
     engines keep serving their previous weights and version.
     """
@@ -121,8 +143,8 @@ def push(
         if dtype is None and not isinstance(model_or_state_dict, WeightSet):
             dtype = clients[0].model_dtype()
         weights = _weights(model_or_state_dict, dtype)
-        return _push(weights, version, clients, token, cfg, progress, init, corrupt_chunk, draft,
-                     corrupt_delay_s)
+        return _push(weights, version, clients, token, cfg, progress, init, faults or PushFaults(),
+                     draft)
     finally:
         for c in clients:
             c.close()
@@ -136,9 +158,8 @@ def _push(
     cfg: BridgeConfig,
     progress: bool,
     init: bool,
-    corrupt_chunk: int | None,
+    faults: PushFaults,
     draft: bool = False,
-    corrupt_delay_s: float = 0.0,
 ) -> PushReport:
     started = time.perf_counter()
 
@@ -149,23 +170,19 @@ def _push(
         client.reset_prefix_cache()
 
     with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
-        transports: dict[str, str] = {}
-        failures, transfer_seconds, _ = _stream(
-            pool, weights, clients, token, cfg, phase="load", init=init, progress=progress,
-            label=version, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s, draft=draft,
-            transports=transports, then=finish,
-        )
+        streamed = _stream(pool, weights, clients, token, cfg, phase="load", init=init,
+                           progress=progress, label=version, faults=faults, draft=draft, then=finish)
 
-    if failures:
-        raise PushFailed(failures)
+    if streamed.failures:
+        raise PushFailed(streamed.failures)
     return PushReport(
         version=version,
         engines=[c.base_url for c in clients],
         tensors=len(weights.entries),
         bytes_per_engine=weights.total_bytes,
         seconds=time.perf_counter() - started,
-        transfer_seconds=transfer_seconds,
-        transports=transports,
+        transfer_seconds=streamed.transfer_seconds,
+        transports=streamed.transports,
     )
 
 
@@ -180,17 +197,15 @@ def _stream(
     init: bool,
     progress: bool = False,
     label: str = "",
-    corrupt_chunk: int | None = None,
-    corrupt_delay_s: float = 0.0,
+    faults: PushFaults = PushFaults(),
     draft: bool = False,
-    transports: dict[str, str] | None = None,
     then: Callable[[EngineClient], None] | None = None,
-) -> tuple[dict[str, BaseException], float, dict[str, str]]:
+) -> _Streamed:
     """Arm (if `init`), start and stream one serialization of `weights` to every engine.
 
-    -> (failures by engine URL, transfer seconds, session hex by engine URL). With phase "load"
-    each engine has loaded the weights when this returns; with "stage" each holds them verified
-    in its staging buffers, to be loaded by `apply_staged`. `then(client)` runs as soon as that
+    With phase "load" each engine has loaded the weights when this returns; with "stage" each
+    holds them verified in its staging buffers, to be loaded by `apply_staged`. `then(client)`
+    runs as soon as that
     engine's update returned and its stream ended verified (a failure in it counts as the
     engine's); transfer seconds end there for the last engine, before its `then`."""
     failures: dict[str, BaseException] = {}
@@ -212,10 +227,7 @@ def _stream(
         cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s,
         cfg.shared_memory,
     ) as sender:
-        targets = {
-            c.base_url: StreamTarget(token=token, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s)
-            for c in live
-        }
+        targets = {c.base_url: faults.stream_target(c.base_url, token) for c in live}
 
         updated: list[float] = []
 
@@ -261,10 +273,12 @@ def _stream(
                     failures[url] = targets[url].error
         if bar is not None:
             bar.close()
-    sessions = {url: t.session.hex() for url, t in targets.items() if url not in failures}
-    if transports is not None:
-        transports.update({url: t.transport for url, t in targets.items() if t.transport})
-    return failures, max(updated, default=time.perf_counter()) - transfer_started, sessions
+    return _Streamed(
+        failures=failures,
+        transfer_seconds=max(updated, default=time.perf_counter()) - transfer_started,
+        sessions={url: t.session.hex() for url, t in targets.items() if url not in failures},
+        transports={url: t.transport for url, t in targets.items() if t.transport},
+    )
 
 
 def stage(
@@ -277,17 +291,15 @@ def stage(
     clients = [EngineClient(url, cfg.http_timeout_s) for url in engines]
     try:
         with ThreadPoolExecutor(max_workers=max(2, 2 * len(clients))) as pool:
-            failures, seconds, sessions = _stream(
-                pool, weights, clients, token, cfg, phase="stage", init=False
-            )
-            if failures:
+            streamed = _stream(pool, weights, clients, token, cfg, phase="stage", init=False)
+            if streamed.failures:
                 for client in clients:
                     try:
                         client.finish_weight_update()  # ends the session; the engine drops staging
                     except Exception:  # noqa: BLE001 - best effort; a later start drops it too
                         pass
-                raise PushFailed(failures)
-        return sessions, seconds
+                raise PushFailed(streamed.failures)
+        return streamed.sessions, streamed.transfer_seconds
     finally:
         for c in clients:
             c.close()
@@ -333,14 +345,13 @@ def push_to_engine(
     init: bool = True,
     progress: bool = False,
     config: BridgeConfig | None = None,
-    corrupt_chunk: int | None = None,
-    corrupt_delay_s: float = 0.0,
+    faults: PushFaults | None = None,
 ) -> PushReport:
     """One engine: arm, start, stream + verify + load, finish(version), reset prefix cache."""
     try:
         return push(
             state_dict, version, [engine_url], token=token, dtype=dtype, progress=progress,
-            init=init, config=config, corrupt_chunk=corrupt_chunk, corrupt_delay_s=corrupt_delay_s,
+            init=init, config=config, faults=faults,
         )
     except PushFailed as exc:
         # One engine: surface its own cause (PushRefused, ChecksumMismatch, ...) directly.
