@@ -48,6 +48,9 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 300.0
     streams_per_key: int = 64
+    # How long a request waits while every replica of its tier swaps weights at once (an
+    # all_at_once rollout holds new requests) before it gets a 503.
+    weight_swap_hold_s: float = 60.0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):

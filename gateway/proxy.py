@@ -44,8 +44,6 @@ _REQUEST_TYPES = {"chat": ChatCompletionRequest, "completions": CompletionReques
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Failures before the first response byte: the request can safely go to another replica.
 _RETRYABLE = (UpstreamConnectionError, TimeoutError)
-# How long a request waits for an all-at-once weight swap (drain + apply) before a 503.
-HOLD_TIMEOUT_S = 60.0
 
 
 class Proxy:
@@ -168,7 +166,12 @@ class Proxy:
         last_exc: BaseException | None = None
         for attempt in range(3):
             routable = self.fleet.candidates(ctx.tier)
-            if not routable and await self.fleet.wait_released(HOLD_TIMEOUT_S):
+            if not routable:
+                if not await self.fleet.wait_released(self.config.limits.weight_swap_hold_s):
+                    raise ServiceUnavailable(
+                        f"Every replica of tier '{ctx.tier}' is swapping to new weights; the request "
+                        f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
+                        code="weight_swap_in_progress", headers={"retry-after": "1"})
                 routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
             candidates = [r for r in routable if r.name not in failed] or routable
             if not candidates:
