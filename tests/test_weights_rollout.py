@@ -2,7 +2,8 @@
 the `yieldgate` weight-transfer backend behind `yieldgate up`).
 
 The tests run in order and share one story: push wr-1 under load, refuse a bad canary, roll back
-to base. The stack ends on its original weights.
+to base, push all at once, then two pushes that fail after the engines took them. The stack ends
+on its original weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_bridge import push, write_checkpoint
+from trainer_bridge import PushFailed, PushFaults, push, write_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -229,3 +230,84 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
     resp = admin.post("/admin/weights/rollback", json={"to_version": "base"})
     assert resp.status_code == 200, resp.text
     assert set(versions(admin).values()) == {"base"}
+
+
+def recorded_load(stack, seen: list, stop: threading.Event, model: str) -> threading.Thread:
+    """A client that keeps asking `model` for the same greedy completion; records (status,
+    version label, text) of every answer."""
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                r = http.post(stack.gateway_url + "/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+                seen.append((model, r.status_code, r.headers.get("x-yieldgate-weight-version", ""), text))
+
+    return threading.Thread(target=run)
+
+
+def snapshot_texts(stack) -> dict[str, str]:
+    return {m: complete(stack.gateway_url, model=m, max_tokens=4).json()["choices"][0]["text"]
+            for m in ("demo", "demo:fast")}
+
+
+def test_all_at_once_failure_on_one_engine_restores_every_replica(stack, admin, story, base_weights):
+    """One engine receives a corrupted chunk during an all_at_once update: its apply fails, so
+    every replica goes back to N-1 before the held requests are released. None of them fails,
+    and none is answered by the weights that never went live."""
+    bad = "wr-corrupt"
+    assert set(versions(admin).values()) == {"base"}
+    base_text = snapshot_texts(stack)
+    seen: list[tuple[str, int, str, str]] = []
+    stop = threading.Event()
+    threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
+    faults = PushFaults(corrupt_chunk=3, only=lambda url: url.endswith("/engine/fast-0"))
+    with pytest.raises(PushFailed) as failure:
+        push_under_load(stack, threads, stop, perturbed(base_weights, 4), bad, mode="all_at_once",
+                        faults=faults)
+    assert "ChecksumMismatch" in str(failure.value)
+
+    state = admin.get("/admin/weights").json()["rollout"]
+    assert state["state"] == "failed" and state["mode"] == "all_at_once" and state["version"] == bad
+    assert state["failed_replica"] == "fast-0"
+    assert "checksum" in state["reason"].lower(), state["reason"]
+    events = [e["event"] for e in state["timeline"]]
+    assert events.count("hold") == 1 and events.count("released") == 1
+    # Both replicas were restored (re-admitted on base) before the hold was lifted.
+    restored = [i for i, e in enumerate(state["timeline"])
+                if e["event"] == "admitted" and e["detail"] == "base"]
+    assert len(restored) == len(stack.engines)
+    assert events.index("released") > max(restored)
+
+    assert seen and not [s for s in seen if s[1] != 200], [s for s in seen if s[1] != 200][:5]
+    assert {s[2] for s in seen} == {"base"}
+    assert all(text == base_text[model] for model, _, _, text in seen)
+    assert set(versions(admin).values()) == {"base"}
+    assert bad not in admin.get("/admin/weights").json()["versions"]
+    assert snapshot_texts(stack) == base_text
+
+
+def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, admin, story, base_weights):
+    """The engines take the push, but the gateway's own copy (the checkpoint rollback needs)
+    fails its checksums: the rollout fails once the engines swapped, and N-1 is restored."""
+    new = "wr-nocopy"
+    assert set(versions(admin).values()) == {"base"}
+    base_text = snapshot_texts(stack)
+    seen: list[tuple[str, int, str, str]] = []
+    stop = threading.Event()
+    threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
+    faults = PushFaults(corrupt_chunk=3, only=lambda url: "/engine/" not in url)  # the gateway's intake
+    with pytest.raises(PushFailed):
+        push_under_load(stack, threads, stop, perturbed(base_weights, 5), new, faults=faults)
+
+    state = admin.get("/admin/weights").json()["rollout"]
+    assert state["state"] == "failed" and state["version"] == new
+    assert "checkpoint" in state["reason"] and "checksum" in state["reason"].lower(), state["reason"]
+    events = [e["event"] for e in state["timeline"]]
+    assert events.count("verified") == len(stack.engines)  # the engines did swap first
+    assert not [s for s in seen if s[1] != 200], [s for s in seen if s[1] != 200][:5]
+    assert {s[2] for s in seen} <= {"base", new}
+    assert set(versions(admin).values()) == {"base"}
+    assert new not in admin.get("/admin/weights").json()["versions"]
+    assert snapshot_texts(stack) == base_text
