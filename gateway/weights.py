@@ -16,7 +16,10 @@ rollout stages them on the engines itself. Either way the staged weights are the
 drained replicas only: one wave at a time ("rolling"), or all at once while the gateway holds
 new requests ("all_at_once": they wait in `Fleet.wait_released`, then are routed, and labelled,
 on the new weights); no engine's live weights change while it serves. The rollout starts once
-every engine has staged; the gateway's checkpoint copy may still be arriving. `?direct=1`
+every engine has staged; the gateway's checkpoint copy may still be arriving. A rolling update
+whose version was named up front (`weight_targets?version=`, as push() does) starts as soon as
+every engine is pulling the stream: its first wave, out of routing since the stream began,
+loads each tensor as its chunks verify. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
 
@@ -508,8 +511,10 @@ class WeightOrchestrator:
     # -- push intake steps
     def intake(self, rollout_id: str, engine: str = "", finishing: bool = False) -> PushIntake:
         intake = self.intakes.get(rollout_id)
-        waiting = intake is not None and (intake.state.state == "awaiting_push"
-                                          or (finishing and intake.finishing is not None))
+        # A rollout started from staging still takes the rest of its push (the gateway's copy).
+        waiting = intake is not None and (
+            intake.state.state == "awaiting_push"
+            or (intake.finishing is not None and (finishing or not intake.finishing.done())))
         if intake is None or not waiting:
             raise NotFound(f"no rollout {rollout_id!r} waiting for a push", code="no_rollout")
         if engine and engine not in intake.engines:
@@ -574,6 +579,13 @@ class WeightOrchestrator:
         intake.state.note("staging", engine, "the engine pulls the trainer's stream while it serves")
         if len(intake.sessions) == len(intake.engines):
             intake.engines_staged.set()
+            if intake.request.mode == "rolling" and intake.state.version and intake.finishing is None:
+                # Every engine is pulling the stream and the version is named: start now rather
+                # than at the trainer's finish. The first wave (out since the stream began) is
+                # applied at once and loads each tensor as its chunks verify; an engine whose
+                # stream fails fails that apply, which restores N-1. All-at-once still waits for
+                # the finish: its hold must not span the transfer.
+                self.start_rollout(intake, None)
 
     async def receive(self, intake: PushIntake, info: dict[str, Any]) -> None:
         if not intake.armed:
@@ -604,8 +616,9 @@ class WeightOrchestrator:
             intake.engines_staged.set()
 
     async def finish(self, intake: PushIntake, version: str | None) -> RolloutState:
-        """Start the rollout of what was pushed. With a fan-out the trainer finishes every
-        intake (one per engine, plus the gateway's); the first call starts it, all wait for it."""
+        """Start the rollout of what was pushed, unless staging already started it. With a
+        fan-out the trainer finishes every intake (one per engine, plus the gateway's); the
+        first call starts it, all wait for it."""
         state = intake.state
         if intake.engines and intake.finishing is None:
             # The trainer finishes each intake as soon as its own stream is verified; the rollout
@@ -615,40 +628,51 @@ class WeightOrchestrator:
             except TimeoutError:
                 intake.stage_failed = intake.stage_failed or "engines did not stage in time"
         if intake.finishing is None:
-            try:
-                if intake.stage_failed:
-                    raise InvalidRequest(f"staging failed: {intake.stage_failed}")
-                if intake.staged is None and not intake.engines:
-                    raise InvalidRequest("no verified weights staged: /update_weights first")
-                if state.version and version and version != state.version:
-                    raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
-                                         param="weight_version")
-                state.version = state.version or version or ""
-                if not state.version or state.version in RESERVED_VERSIONS:
-                    raise InvalidRequest("a push needs a version name (not 'base' or 'default')")
-                replicas = self.select(intake.request.tier)
-            except APIError:
-                self.readmit_early(intake, "push refused")
-                raise
-            # The rollout drains its own first wave; only that wave may already be out.
-            urls = {r.url: r for r in replicas}
-            first = swap_waves(list(urls), lambda url: urls[url].tier)[0] \
-                if intake.request.mode == "rolling" else []
-            self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
-            state.state = "running"
-            staged = intake.sessions or None
-            weights = intake.staged if intake.staged is not None else intake.copy
-            async def roll() -> None:
-                await self._run(state, replicas, weights, intake.request, staged=staged)
-                if staged:
-                    async with self.lock:
-                        await self._retire_token(replicas)
-
-            intake.finishing = self._spawn(roll())
-            # Late finish calls still find the intake; the weights it holds are on disk by now.
-            intake.finishing.add_done_callback(lambda _t: setattr(intake, "staged", None))
+            self.start_rollout(intake, version)
+        elif version and version != state.version:
+            raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
+                                 param="weight_version")
         await asyncio.shield(intake.finishing)
         return state
+
+    def start_rollout(self, intake: PushIntake, version: str | None) -> None:
+        """Turn the push into a rollout (`intake.finishing`); raises APIError if it cannot be."""
+        state = intake.state
+        try:
+            if intake.stage_failed:
+                raise InvalidRequest(f"staging failed: {intake.stage_failed}")
+            if intake.staged is None and not intake.engines:
+                raise InvalidRequest("no verified weights staged: /update_weights first")
+            if state.version and version and version != state.version:
+                raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
+                                     param="weight_version")
+            state.version = state.version or version or ""
+            if not state.version or state.version in RESERVED_VERSIONS:
+                raise InvalidRequest("a push needs a version name (not 'base' or 'default')")
+            replicas = self.select(intake.request.tier)
+        except APIError:
+            self.readmit_early(intake, "push refused")
+            raise
+        # The rollout drains its own first wave; only that wave may already be out, and from
+        # now on it is the rollout's: a late push failure must not re-admit it mid-swap.
+        urls = {r.url: r for r in replicas}
+        first = swap_waves(list(urls), lambda url: urls[url].tier)[0] \
+            if intake.request.mode == "rolling" else []
+        self.readmit_early(intake, "not in the first wave", keep=frozenset(first))
+        intake.early = []
+        state.state = "running"
+        staged = intake.sessions or None
+        weights = intake.staged if intake.staged is not None else intake.copy
+
+        async def roll() -> None:
+            await self._run(state, replicas, weights, intake.request, staged=staged)
+            if staged:
+                async with self.lock:
+                    await self._retire_token(replicas)
+
+        intake.finishing = self._spawn(roll())
+        # Late finish calls still find the intake; the weights it holds are on disk by now.
+        intake.finishing.add_done_callback(lambda _t: setattr(intake, "staged", None))
 
     # -- rollback
     async def rollback(self, request: RollbackRequest) -> RolloutState:
@@ -743,18 +767,25 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
 
     @router.get("/weight_targets")
     async def weight_targets(request: Request, direct: bool = False, tier: str | None = None,
-                             mode: str = "rolling") -> Response:
+                             mode: str = "rolling", version: str | None = None) -> Response:
         if direct:
             replicas = orch.select(tier)
             await orch.ensure_armed(replicas)
             return json_response({"engines": [r.url for r in replicas], "push_token": orch.engine_token})
-        if mode not in ("rolling", "all_at_once"):
-            raise InvalidRequest(f"unknown mode {mode!r}: rolling | all_at_once", param="mode")
+        # Naming the version here (push() does) lets a rolling update start as soon as every
+        # engine is staging, instead of at the trainer's finish.
+        try:
+            spec = msgspec.convert({"tier": tier, "mode": mode, "version": version}, WeightsRequest)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid weight_targets query: {exc}") from None
+        if spec.version in RESERVED_VERSIONS:
+            raise InvalidRequest(f"version {spec.version!r} is reserved", param="version")
         current = orch.current
         intake = next(iter(orch.intakes.values()), None)
         if (intake is None or current is None or intake.state is not current
-                or intake.state.state != "awaiting_push" or intake.request.mode != mode):
-            intake = await orch.open_push(WeightsRequest(tier=tier, mode=mode))  # type: ignore[arg-type]
+                or intake.state.state != "awaiting_push" or intake.request.mode != spec.mode
+                or intake.request.version != spec.version):
+            intake = await orch.open_push(spec)
         return json_response({**_targets(request, intake), "rollout": intake.state.id,
                               "dtype": await orch.serving_dtype()})
 

@@ -77,17 +77,19 @@ def _weights(model: ModelLike, dtype: torch.dtype | None) -> WeightSet:
 
 
 def resolve_gateway_engines(
-    gateway: str, admin_token: str | None, mode: str = "rolling"
+    gateway: str, admin_token: str | None, mode: str = "rolling", version: str | None = None
 ) -> tuple[list[str], str | None, torch.dtype | None]:
     """Ask the gateway which engines take pushes, which push token is current and which dtype
     the fleet serves (saves the trainer a /server_info round trip).
 
-    Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once` ->
-    {"engines": [url...], "push_token": str, "dtype": "bfloat16" | null}.
+    Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once[&version=V]` ->
+    {"engines": [url...], "push_token": str, "dtype": "bfloat16" | null}. With the version
+    named up front, a rolling update starts as soon as every engine is staging.
     """
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    params = {"mode": mode, **({"version": version} if version else {})}
     resp = httpx.get(gateway.rstrip("/") + "/admin/weight_targets", headers=headers, timeout=30.0,
-                     params={"mode": mode}, verify=tls_context())
+                     params=params, verify=tls_context())
     resp.raise_for_status()
     body = resp.json()
     dtype = getattr(torch, str(body.get("dtype") or ""), None)
@@ -131,7 +133,7 @@ def push(
         raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
                          "rolls out served models only")
     if gateway is not None:
-        listed, gateway_token, served_dtype = resolve_gateway_engines(gateway, token, mode)
+        listed, gateway_token, served_dtype = resolve_gateway_engines(gateway, token, mode, version)
         engines = list(engines or []) + listed
         token = gateway_token or token
         dtype = dtype or served_dtype
