@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -29,7 +30,7 @@ ExternalFormat = Literal["int64", "bytes"]
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _LOW64 = (1 << 64) - 1
-_MEMO_MAX_BLOCKS = 65536  # (parent, block) -> digest; ~16 MB at the bound
+_MEMO_MAX_BLOCKS = 65536  # parent + packed block -> digest; ~19 MiB at the bound (tracemalloc)
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -43,6 +44,14 @@ def _sha256_cbor(obj: Any) -> bytes:
 
 
 _ALGOS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+
+
+def _packed(token_ids: Sequence[int]) -> bytes | None:
+    """Token ids as little int32s (one C call, ~6 µs for 600 ids); None if one does not fit."""
+    try:
+        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except (struct.error, TypeError):
+        return None
 
 
 class BlockHashConfig(msgspec.Struct, frozen=True):
@@ -68,7 +77,7 @@ class BlockHasher:
         seed = config.hash_seed if config.hash_seed is not None else DEFAULT_NONE_HASH_SEED
         self.none_hash: bytes = self._hash(seed)
         self._as_int = config.external_format == "int64"
-        self._memo: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self._memo: dict[bytes | tuple[bytes, tuple[int, ...]], bytes] = {}
 
     def digests(self, token_ids: Sequence[int]) -> list[bytes]:
         """Full internal digests, one per full block (the chain the engine keeps)."""
@@ -77,13 +86,17 @@ class BlockHasher:
         bs = self.block_size
         h = self._hash
         memo = self._memo
+        packed = _packed(token_ids)
         for start in range(0, len(token_ids) - bs + 1, bs):
             # Shared prefixes repeat the same (parent, block) pairs: a dict lookup is ~10x cheaper
-            # than pickling and hashing the block again.
-            key = (parent, tuple(token_ids[start:start + bs]))
+            # than pickling and hashing the block again. Keys are bytes, which the garbage collector
+            # does not track: kept (parent, tuple of ints) keys made it walk 34 objects per new block.
+            key: bytes | tuple[bytes, tuple[int, ...]] = (
+                parent + packed[4 * start:4 * (start + bs)] if packed is not None
+                else (parent, tuple(token_ids[start:start + bs])))
             digest = memo.get(key)
             if digest is None:
-                digest = h((parent, key[1], None))
+                digest = h((parent, tuple(token_ids[start:start + bs]), None))
                 if len(memo) >= _MEMO_MAX_BLOCKS:
                     del memo[next(iter(memo))]  # oldest first
                 memo[key] = digest

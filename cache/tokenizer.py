@@ -186,7 +186,7 @@ class Tokenizer:
         self._rank_to_id = rank_to_id
         self.not_convertible_reason = not_convertible_reason
         self.backend: Backend = "tiktoken" if encoding is not None else "hf"
-        self._segment_cache: dict[str, list[int]] = {}
+        self._segment_cache: dict[str, tuple[int, ...]] = {}
         self._special_split = None
         self._special_ids: dict[str, int] = {}
         if encoding is not None and encoding.special_tokens_set:
@@ -258,7 +258,9 @@ class Tokenizer:
                 continue
             ids = cache.get(piece)
             if ids is None:
-                ids = self._ids(self.encoding.encode_ordinary(piece))
+                # A tuple, not a list: the collector stops tracking a tuple of ints after one pass,
+                # while a kept list of ids is walked again by every older-generation pass.
+                ids = tuple(self._ids(self.encoding.encode_ordinary(piece)))
                 if len(cache) >= _CACHE_MAX_SEGMENTS:
                     del cache[next(iter(cache))]  # oldest first
                 cache[piece] = ids

@@ -15,6 +15,7 @@ on the event loop instead of the ~150 µs a pure-Python comparison of a 600-toke
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Literal
@@ -35,6 +36,15 @@ def as_tokens(seq: Sequence[Hashable] | np.ndarray) -> np.ndarray:
         return np.array(seq, dtype=np.int64)
     except (OverflowError, TypeError, ValueError):  # block content hashes, strings...
         return np.fromiter(map(hash, seq), np.int64, len(seq))
+
+
+def _kept(prompt: Sequence[Hashable]) -> Sequence[Hashable] | np.ndarray:
+    """A copy of a prompt that the garbage collector does not track: token ids packed in one C call
+    into an int64 array (~6 µs for 600 tokens, vs ~15 µs for np.array); anything else as a tuple."""
+    try:
+        return np.frombuffer(struct.pack(f"{len(prompt)}q", *prompt), dtype=np.int64)
+    except (struct.error, TypeError):
+        return tuple(prompt)
 
 
 def common_prefix_len(a: Sequence[Hashable] | np.ndarray, b: Sequence[Hashable] | np.ndarray,
@@ -168,12 +178,11 @@ class CacheAdvisor:
 
     def observe(self, key_id: str, session_id: str | None, prompt: Sequence[Hashable]) -> Divergence | None:
         """Feed one request's prompt; returns the diagnosis against the session's previous prompt."""
-        # Kept as a tuple until the session sends another prompt: most sessions are one request,
-        # and their array conversion (~15 µs for 600 tokens) would be spent for nothing. A tuple,
-        # not a list: the collector stops tracking a tuple of ints after one pass, while 10,000
-        # kept lists made every gen-1 pass ~8 ms and a full pass ~3x longer (stalls on the loop).
+        # Packed, not a tuple, until the session sends another prompt (most sessions are one request):
+        # the collector walked every int of every kept tuple once before it stopped tracking it, so
+        # 10,000 kept 600-token prompts made young-generation passes of ~100 ms (the gateway's p99).
         head: Sequence[Hashable] | np.ndarray = (
-            prompt[:self.max_tokens] if isinstance(prompt, np.ndarray) else tuple(prompt[:self.max_tokens]))
+            prompt[:self.max_tokens] if isinstance(prompt, np.ndarray) else _kept(prompt[:self.max_tokens]))
         sk = (key_id, session_id or "")
         prev = self._last.pop(sk, None)
         self._last[sk] = (head, None)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
+import pickle
 
 import msgspec
 import pytest
@@ -11,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from cache import (
-    KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router,
+    BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router,
     SharedPrefixIndex, UnknownPolicy,
 )
 
@@ -29,6 +32,28 @@ class Replica(msgspec.Struct):
 def tokens(prefix: int, n_blocks: int, suffix: int = 0) -> list[int]:
     """`n_blocks` full blocks of a tenant prefix, then a per-user suffix."""
     return [(prefix * 7919 + i) % 1000 + 4 for i in range(32 * n_blocks)] + [5 + suffix] * 10
+
+
+def engine_chain(token_ids: list[int], seed: str = "0") -> list[int]:
+    """vLLM's chained block hashes, written out: SHA-256 of the pickled (parent, block, None)."""
+    def h(obj: object) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    parent, out = h(seed), []
+    for start in range(0, len(token_ids) - 31, 32):
+        parent = h((parent, tuple(token_ids[start:start + 32]), None))
+        out.append(int.from_bytes(parent, "big") & (2**64 - 1))
+    return out
+
+
+def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> None:
+    """The memo's packed keys change nothing: first and repeated (memo-hit) hashing give the
+    engine's chain, for ordinary ids and for ids too big to pack; its keys are not tracked."""
+    hasher = BlockHasher()
+    for ids in (tokens(1, 8, 3), [2**40 + i for i in range(100)], tokens(1, 8, 4)):
+        assert hasher.hashes(ids) == engine_chain(ids)
+        assert hasher.hashes(ids) == engine_chain(ids)
+    assert not any(gc.is_tracked(k) for k in hasher._memo if isinstance(k, bytes))
+    assert sum(isinstance(k, bytes) for k in hasher._memo) >= 8
 
 
 def test_prefix_routed_twice_lands_on_same_replica() -> None:

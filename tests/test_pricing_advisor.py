@@ -1,6 +1,7 @@
 """Cache-friendliness advisor fed with deliberately cache-hostile chat traffic, tokenized with the
 demo model's tokenizer when available (byte-level ids otherwise: the demo BPE is byte-level too)."""
 
+import gc
 import json
 
 import pytest
@@ -89,18 +90,27 @@ def test_advisor_reports_per_key_and_stays_bounded():
 
 
 def test_advisor_keeps_a_copy_of_a_first_prompt():
-    """A session's first prompt is kept as given (no array conversion until a second prompt
-    comes), so it must be a copy: the caller's list may change afterwards. A tuple, which the
-    garbage collector stops tracking (10,000 kept lists slowed every collection)."""
+    """A session's first prompt is kept until a second one comes, so it must be a copy: the
+    caller's list may change afterwards. Packed, so the garbage collector never walks it (10,000
+    kept prompts as tuples made young-generation passes of ~100 ms)."""
     adv = CacheAdvisor()
     first = chat(1)
     assert adv.observe("k", "s", first) is None
-    assert isinstance(adv._last["k", "s"][0], tuple)
+    assert not gc.is_tracked(adv._last["k", "s"][0])
     kept = list(first)
     first[:] = [7] * len(first)
     d = adv.observe("k", "s", chat(3))
     assert d is not None and d.kind == "none" and d.reused_tokens == len(kept)
     assert diagnose(kept, chat(3)) == d
+
+
+def test_advisor_keeps_prompts_of_any_token_type():
+    """Ids that do not fit 64 bits, or content hashes that are not ints, are kept as tuples."""
+    for prompt in ([2**40 + i for i in range(100)], [2**70 + i for i in range(100)], [f"block-{i}" for i in range(100)]):
+        adv = CacheAdvisor()
+        adv.observe("k", "s", prompt)
+        d = adv.observe("k", "s", prompt + prompt[:10])
+        assert d is not None and d.kind == "none" and d.reused_tokens == len(prompt)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5000])
