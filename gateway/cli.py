@@ -49,6 +49,7 @@ def _serve(config: Config) -> None:
     uvicorn.Server(uvicorn.Config(
         asgi, host=config.server.host, port=config.server.port, loop="uvloop", http="httptools",
         access_log=False, log_level="warning", timeout_graceful_shutdown=10,
+        timeout_keep_alive=config.server.keep_alive_s,
     )).run()
 
 

@@ -29,6 +29,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     data_dir: str = ""                 # ledger and journal; "" = <YIELDGATE_HOME>/data
     log_content: bool = False          # never log prompts or completions unless set
     cors_origins: list[str] = []       # CORS is off unless origins are listed
+    # Idle keep-alive connections from clients are closed after this long. Longer than the pool
+    # expiry of common clients (httpx and the openai client 5 s, aiohttp 15 s, load balancers
+    # 60 s): with uvicorn's 5 s default a client reusing a connection the gateway closes at the
+    # same moment gets "connection reset by peer", and a loop stalled by a loaded host fires the
+    # timer with the next request already waiting in the socket.
+    keep_alive_s: float = 75.0
     # Per-request features that can be switched off, so that each one's cost can be measured
     # (benchmarks/gateway_overhead.py). Off means: no billing record per request (reports and
     # feedback answer 503), or no Prometheus request/token/cost series.
@@ -36,6 +42,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     request_metrics: bool = True
 
     def __post_init__(self) -> None:
+        if self.keep_alive_s <= 0:
+            raise ValueError(f"server.keep_alive_s must be > 0, not {self.keep_alive_s}")
         # Keys, budgets and rate limits live in Redis: there is no Redis-less mode to fall back to.
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"server.redis_url must be a redis://, rediss:// or unix:// URL, not {self.redis_url!r}")

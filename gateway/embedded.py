@@ -35,7 +35,8 @@ class EmbeddedGateway:
         config.server.port = free
         self.app = create_app(config)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False))
+                                                    log_level="warning", access_log=False,
+                                                    timeout_keep_alive=config.server.keep_alive_s))
         self.thread = threading.Thread(target=self.server.run, name="embedded-gateway", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s

@@ -152,6 +152,24 @@ def test_unary_answers_share_one_client_connection(hot_gateway):
         conn.close()
 
 
+def test_an_idle_client_connection_outlives_the_usual_client_pool_expiry(hot_gateway):
+    """httpx (and so the openai client) keeps idle connections 5 s, aiohttp 15 s. A gateway that
+    closes them after uvicorn's default 5 s races those clients: a request sent on a connection the
+    gateway closes at that moment gets "connection reset by peer" instead of an answer."""
+    assert hot_gateway.gateway.config.server.keep_alive_s > 15
+    conn = _connection(hot_gateway.url)
+    try:
+        resp, data = _post(conn, CHAT)
+        assert resp.status == 200, data
+        first = conn.sock
+        time.sleep(6)  # idle past uvicorn's 5 s default
+        resp, data = _post(conn, CHAT)  # on a socket the gateway closed: BrokenPipeError or RemoteDisconnected
+        assert resp.status == 200, data
+        assert conn.sock is first
+    finally:
+        conn.close()
+
+
 def test_errors_are_openai_shaped_and_keep_the_connection(hot_gateway):
     conn = _connection(hot_gateway.url)
     try:
