@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
+from redis.exceptions import RedisError
 
 from cache.blocks import BlockHash
 
@@ -345,7 +346,10 @@ class SharedPrefixIndex:
                 self._writing = True
                 try:
                     await self._write(ops)
-                except Exception:  # Redis down: local routing goes on, sharing resumes later
+                except (RedisError, OSError) as exc:  # Redis down: local routing goes on, sharing resumes later
+                    log.warning("prefix index: Redis write-through failed (%s: %s); routing goes on from "
+                                "the local index", type(exc).__name__, exc)
+                except Exception:
                     log.exception("prefix index: Redis write-through failed")
                 finally:
                     self._writing = False
