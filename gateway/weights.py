@@ -254,8 +254,6 @@ class PushIntake:
         self.engines = engines or {}
         self.sessions: dict[str, str] = {}
         self.finishing: asyncio.Task | None = None  # the rollout every finish call waits on
-        # Engine name -> its update session, opened when the intake opened (see open_push).
-        self.opening: dict[str, asyncio.Task] = {}
         self.early: list[Replica] = []  # the rolling update's first wave, out of routing early
         loop = asyncio.get_running_loop()
         # The gateway's own copy (for the checkpoint store). With a fan-out the rollout does not
@@ -399,13 +397,6 @@ class WeightOrchestrator:
             token = secrets.token_urlsafe(24)  # the gateway relays: this token reaches no engine
         intake = PushIntake(state, token, request, engines)
         self.intakes = {state.id: intake}  # only the newest intake takes pushes
-        for name, r in engines.items():
-            # Opening a session is a worker RPC, slow on a busy engine: done now, off the push's
-            # path; the trainer's relayed start call then finds it open.
-            intake.opening[name] = self._spawn(_open_session(r.url))
-            intake.opening[name].add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
-        if engines:
-            self._spawn(self._close_unused_later(intake))
         route = f"fan-out to {len(engines)} engine(s)" if engines else "relayed by the gateway"
         state.note("issued", detail=f"push token issued ({route}); waiting for the trainer")
         return intake
@@ -558,32 +549,18 @@ class WeightOrchestrator:
                 intake.state.note("admitted", r.name, f"{r.weight_version} ({why})")
 
     async def start_on_engine(self, intake: PushIntake, engine: str) -> None:
-        """The engine's update session, opened when the intake opened (or now, if that failed or
-        was closed as unused)."""
+        """Open the engine's update session (vLLM refuses /update_weights outside one). A session
+        an abandoned push left open is ended first: nothing staged in it was ever applied."""
         if not intake.armed:
             raise PushRefused("engine not armed: call /init_weight_transfer_engine with the push token")
-        opening = intake.opening.pop(engine, None)
-        if opening is not None:
+        with EngineClient(intake.engines[engine].url, 60.0) as client:
             try:
-                await asyncio.shield(opening)
-                return
-            except Exception:  # noqa: BLE001 - open it again: a failure now reaches the trainer
-                pass
-        await _open_session(intake.engines[engine].url)
-
-    async def close_unused(self, intake: PushIntake) -> None:
-        """End the sessions opened for engines the trainer never started on (nothing was staged
-        in them), so a direct push to those engines is not refused as "already active"."""
-        opening, intake.opening = intake.opening, {}
-        for name, task in opening.items():
-            if not (await asyncio.gather(task, return_exceptions=True))[0]:  # opened: None
-                await asyncio.to_thread(_quietly_finish, intake.engines[name].url)
-
-    async def _close_unused_later(self, intake: PushIntake) -> None:
-        await asyncio.sleep(self.bridge.stream_timeout_s)
-        # A newer intake took the engines over (and handles what was left open) unless this is current.
-        if self.intakes.get(intake.state.id) is intake and intake.state.state == "awaiting_push":
-            await self.close_unused(intake)
+                await asyncio.to_thread(client.start_weight_update)
+            except EngineRequestError as exc:
+                if "already active" not in str(exc):
+                    raise
+                await asyncio.to_thread(client.finish_weight_update)
+                await asyncio.to_thread(client.start_weight_update)
 
     async def stage_on_engine(self, intake: PushIntake, engine: str, info: dict[str, Any]) -> None:
         """Fan-out: the engine pulls the trainer's stream into its staging buffers and verifies
@@ -746,27 +723,6 @@ def _check_pushed_version(state: RolloutState, version: str | None) -> None:
                              param="weight_version")
 
 
-async def _open_session(url: str) -> None:
-    """Start the engine's update session (vLLM refuses /update_weights outside one). A session
-    an abandoned push left open is ended first: nothing staged in it was ever applied."""
-    with EngineClient(url, 60.0) as client:
-        try:
-            await asyncio.to_thread(client.start_weight_update)
-        except EngineRequestError as exc:
-            if "already active" not in str(exc):
-                raise
-            await asyncio.to_thread(client.finish_weight_update)
-            await asyncio.to_thread(client.start_weight_update)
-
-
-def _quietly_finish(url: str) -> None:
-    try:
-        with EngineClient(url, 60.0) as client:
-            client.finish_weight_update()
-    except Exception as exc:  # noqa: BLE001 - best effort; the next push's open ends it too
-        log.warning("could not end the unused update session on %s: %s", url, exc)
-
-
 def _rollout_id() -> str:
     return "ro_" + secrets.token_hex(6)
 
@@ -816,9 +772,6 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
                              mode: str = "rolling", version: str | None = None) -> Response:
         if direct:
             replicas = orch.select(tier)
-            for intake in list(orch.intakes.values()):
-                if intake.state.state == "awaiting_push":
-                    await orch.close_unused(intake)  # the caller pushes to the engines itself
             await orch.ensure_armed(replicas)
             return json_response({"engines": [r.url for r in replicas], "push_token": orch.engine_token})
         # Naming the version here (push() does) lets a rolling update start as soon as every

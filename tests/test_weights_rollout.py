@@ -315,16 +315,3 @@ def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, 
     assert set(versions(admin).values()) == {"base"}
     assert new not in admin.get("/admin/weights").json()["versions"]
     assert snapshot_texts(stack) == base_text
-
-
-def test_an_unused_push_intake_does_not_block_a_direct_push(stack, admin, story, base_weights):
-    """Opening a push intake opens each engine's update session ahead of the trainer. If nobody
-    pushes through it, a trainer that takes the engines directly (`?direct=1`) still can."""
-    assert set(versions(admin).values()) == {"base"}
-    opened = admin.get("/admin/weight_targets", params={"mode": "rolling", "version": "wr-unused"})
-    assert opened.status_code == 200, opened.text
-    direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
-    # The launch weights again, under the version the engines already report: changes no answer.
-    report = push(base_weights, "default", engines=direct["engines"], token=direct["push_token"], progress=False)
-    assert sorted(report.engines) == sorted(direct["engines"])
-    assert set(versions(admin).values()) == {"base"}
