@@ -7,7 +7,9 @@
 A loadtest `run_load` (steady concurrency, both tiers) keeps the fleet busy while a trainer-side
 `push(gateway=..., mode=...)` rolls perturbed copies of the demo weights through it, `--rollouts`
 rounds of one push per `--modes` entry (rolling, all_at_once, rolling, ...: <version>.1, .2, ...,
-interleaved so both modes see the same load); probe threads record the version header of every response they get.
+interleaved so both modes see the same load); two probes record the version header of every
+response they get. The load and the probes run in a process of their own
+(benchmarks/rollout_load.py): sharing this one, they shared a GIL with the trainer's push.
 Reported: failed requests (goal 0), responses with an unknown version or a replica going back to
 an older one (goal 0), the timeline of each rollout, and push start -> 100% of traffic on the new
 version (the later of the last re-admission and the end of the last old-version response).
@@ -18,8 +20,9 @@ commit the version, reset the prefix cache; no drain, no checkpoint, no verify),
 load in the same run, `--direct-pushes` times before the rollouts (the old weights, re-pushed
 under the version they already serve, after one untimed warm-up push) and as often after them
 (the last weights under the last version), so none changes what any response says. The ratio is
-median(time to 100% new) / median(raw transfer), per mode. The fleet is rolled back to the version
-it served before. Writes benchmarks/results/rollout[-big].json and .png.
+median(time to 100% new) / median(raw transfer), per mode; both come with their interquartile
+range (this machine's run-to-run noise is large: read the ratio with them). The fleet is rolled
+back to the version it served before. Writes benchmarks/results/rollout[-big].json and .png.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,7 +44,6 @@ import torch
 from safetensors.torch import load_file
 
 from gateway.embedded import stop_process_group
-from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 from serving.demo_model import DemoModelSpec, ensure_demo_model
 from trainer_bridge import EngineClient, push
 
@@ -105,20 +106,70 @@ def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
     return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
 
 
-def probe(gateway: str, model: str, stop: threading.Event, out: list[dict]) -> None:
-    with httpx.Client(timeout=120) as http:
-        while not stop.is_set():
-            t0 = time.time()
-            try:
-                r = http.post(gateway + "/v1/completions", json={
-                    "model": model, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
-                out.append({"t": t0, "end": time.time(), "model": model, "status": r.status_code,
-                            "version": r.headers.get("x-yieldgate-weight-version", ""),
-                            "replica": r.headers.get("x-yieldgate-replica", "")})
-            except httpx.HTTPError as exc:
-                out.append({"t": t0, "end": time.time(), "model": model, "status": 0,
-                            "version": "", "replica": "", "error": type(exc).__name__})
-            time.sleep(0.05)
+@contextmanager
+def load_process(gateway: str, concurrency: int, out: Path):
+    """benchmarks/rollout_load.py in its own process, from here until the block ends (then it
+    finishes its current load slice and exits); its records are in `out` afterwards."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rollout_load.py")),
+                             "--gateway", gateway, "--out", str(out), "--concurrency", str(concurrency)],
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        proc.stdin.close()  # "stop"
+        try:
+            proc.wait(200)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for_traffic(path: Path, timeout_s: float = 120.0) -> None:
+    """Until the load process has answers from both the load and the probes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            load, probes = read_records(path)
+            if load and probes:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"the load process recorded no traffic in {timeout_s:.0f} s ({path})")
+
+
+def read_records(path: Path) -> tuple[list[dict], list[dict]]:
+    """-> (load records, probe records) written by the load process."""
+    # A line still being written when read mid-run is skipped (it has no newline yet).
+    rows = [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
+    return [r for r in rows if r["kind"] == "load"], [r for r in rows if r["kind"] == "probe"]
+
+
+def spread(values: list[float]) -> dict:
+    """Median and interquartile range (quartiles by the inclusive method)."""
+    if len(values) < 2:
+        v = values[0] if values else None
+        return {"median": v, "q1": v, "q3": v, "iqr": 0.0 if values else None, "n": len(values)}
+    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": med, "q1": q1, "q3": q3, "iqr": q3 - q1, "n": len(values)}
+
+
+def steps(timeline: list[dict], start: float) -> dict[str, float]:
+    """Where one rollout's time went, from its timeline: push start -> the rollout starts, then
+    per replica drain (out of routing -> drained, update begins), apply, verify, re-admit."""
+    out: dict[str, float] = {}
+    began = next((e["t"] for e in timeline if e["event"] == "start"), None)
+    if began is not None:
+        out["push_to_rollout_start"] = began - start
+    for rep in sorted({e["replica"] for e in timeline if e["replica"]}):
+        t = {}
+        for e in timeline:  # the last of each event for this replica (an early drain is repeated)
+            if e["replica"] == rep:
+                t[e["event"]] = e["t"]
+        for name, a, b in (("drain", "drain", "update"), ("apply", "update", "updated"),
+                           ("verify", "updated", "verified"), ("readmit", "verified", "admitted")):
+            if a in t and b in t:
+                out[f"{rep}.{name}"] = t[b] - t[a]
+    return out
 
 
 def main() -> None:
@@ -128,8 +179,9 @@ def main() -> None:
     ap.add_argument("--up", action="store_true", help="start a private demo stack for the run")
     ap.add_argument("--port", type=int, default=21500, help="gateway port with --up")
     ap.add_argument("--version", default="bench", help="rollouts push <version>.1, .2, ...")
-    ap.add_argument("--rollouts", type=int, default=3)
-    ap.add_argument("--direct-pushes", type=int, default=3, help="timed direct pushes before and after")
+    ap.add_argument("--rollouts", type=int, default=6, help="rounds: each pushes once per mode")
+    ap.add_argument("--direct-pushes", type=int, default=None,
+                    help="timed direct pushes before and as many after (default: --rollouts)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=4.0)
     ap.add_argument("--modes", default="rolling,all_at_once",
@@ -139,6 +191,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default benchmarks/results/rollout[-big]")
     args = ap.parse_args()
     args.out = args.out or str(RESULTS / ("rollout-big" if args.big else "rollout"))
+    if args.direct_pushes is None:
+        args.direct_pushes = args.rollouts
     if args.up:
         with own_stack(args.port, model_dir(args.big)) as (gateway, token):
             measure(args, gateway, token)
@@ -167,58 +221,42 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     if dtype is None:
         raise SystemExit("could not read the engines' serving dtype from /server_info")
 
-    stop = threading.Event()
-    probes: list[dict] = []
-    load_result: dict = {}
-    duration = args.settle_s * (len(plan) + 2) + 6 * args.direct_pushes + 20
-
-    def steady() -> None:
-        res = run_load(Target(base_url=gw, model="demo", api="completions"),
-                       RandomLengthWorkload(input_tokens=64, output_tokens=16), ConcurrencyLoad(concurrency=args.concurrency),
-                       Bounds(requests=None, duration_s=duration))
-        load_result["result"] = res
-
     def direct_pushes(wset: dict, version: str) -> list:
         targets = admin.get("/admin/weight_targets", params={"direct": 1}).json()
         return [push(wset, version, engines=targets["engines"], token=targets["push_token"],
                      dtype=dtype, progress=False) for _ in range(args.direct_pushes)]
 
-    loader = threading.Thread(target=steady, daemon=True)
-    threads = [threading.Thread(target=probe, args=(gw, m, stop, probes), daemon=True)
-               for m in ("demo", "demo:fast")]
-    loader.start()
-    for t in threads:
-        t.start()
-    time.sleep(args.settle_s / 2)
-    # Raw transfer, before: the weights the engines already serve, under the version they report,
-    # straight into every engine at once -- changes no response. The first update after engine
-    # start pays one-time set-up (staging memory): pushed once untimed.
-    push(base, "default", engines=direct["engines"], token=direct["push_token"], dtype=dtype, progress=False)
-    raw_before = direct_pushes(base, "default")
-    time.sleep(args.settle_s / 2)
-    rollouts = []
-    previous = old
-    for version, mode in zip(versions, plan):
-        push_start = time.time()
-        report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype,
-                      progress=False, mode=mode)
-        push_end = time.time()
-        print(f"[rollout] {version} ({mode}): push returned after {push_end - push_start:.2f} s", flush=True)
-        time.sleep(args.settle_s)
-        state = admin.get("/admin/weights").json()["rollout"]
-        rollouts.append({"version_from": previous, "version_to": version, "push_start": push_start,
-                         "push_end": push_end, "report": report, "state": state, "mode": mode})
-        previous = version
-    # Raw transfer, after: the last weights under the last version (already served everywhere).
-    raw_after = direct_pushes(weights[versions[-1]], versions[-1])
-    time.sleep(1.0)
-    stop.set()
-    for t in threads:
-        t.join(60)
-    loader.join(120)
+    records_path = Path(tempfile.mkdtemp(prefix="yg-rollout-load-")) / "records.jsonl"
+    with load_process(gw, args.concurrency, records_path):
+        wait_for_traffic(records_path)
+        time.sleep(args.settle_s / 2)
+        # Raw transfer, before: the weights the engines already serve, under the version they report,
+        # straight into every engine at once -- changes no response. The first update after engine
+        # start pays one-time set-up (staging memory): pushed once untimed.
+        push(base, "default", engines=direct["engines"], token=direct["push_token"], dtype=dtype, progress=False)
+        raw_before = direct_pushes(base, "default")
+        time.sleep(args.settle_s / 2)
+        rollouts = []
+        previous = old
+        for version, mode in zip(versions, plan):
+            push_start = time.time()
+            report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype,
+                          progress=False, mode=mode)
+            push_end = time.time()
+            print(f"[rollout] {version} ({mode}): push returned after {push_end - push_start:.2f} s", flush=True)
+            time.sleep(args.settle_s)
+            state = admin.get("/admin/weights").json()["rollout"]
+            rollouts.append({"version_from": previous, "version_to": version, "push_start": push_start,
+                             "push_end": push_end, "report": report, "state": state, "mode": mode,
+                             "load_avg_1m": os.getloadavg()[0]})
+            previous = version
+        # Raw transfer, after: the last weights under the last version (already served everywhere).
+        raw_after = direct_pushes(weights[versions[-1]], versions[-1])
+        time.sleep(1.0)
+        load_end = os.getloadavg()[0]
 
-    records = load_result["result"].records if "result" in load_result else []
-    failed_load = [r for r in records if not r.ok]
+    records, probes = read_records(records_path)
+    failed_load = [r for r in records if not r["ok"]]
     failed_probe = [p for p in probes if p["status"] != 200]
     mixed = [p for p in probes if p["status"] == 200 and p["version"] not in (old, *versions)]
     # A clean switch per replica: once it answered with version k, it never answers an older one.
@@ -229,7 +267,8 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
                   if p["replica"] == replica and p["status"] == 200 and p["version"] in order]
         regressions += sum(b < a for a, b in zip(served, served[1:]))
     raw_all = [r.seconds for r in raw_before + raw_after]
-    raw = statistics.median(raw_all)
+    raw_spread = spread(raw_all)
+    raw = raw_spread["median"]
     t0 = rollouts[0]["push_start"]
     per_rollout = []
     for ro in rollouts:
@@ -249,6 +288,7 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
             "trainer_stream_seconds": ro["report"].transfer_seconds,
             "trainer_stream_targets": ro["report"].engines,
             "bytes_per_engine": ro["report"].bytes_per_engine,
+            "steps_s": steps(state["timeline"], start),
             "timeline_from_push_start_s": [[round(e["t"] - start, 3), e["event"], e["replica"], e["detail"]]
                                            for e in state["timeline"]],
         })
@@ -256,26 +296,35 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     by_mode = {}
     for mode in modes:
         runs = [r for r in per_rollout if r["mode"] == mode]
-        med = statistics.median(r["time_to_100pct_new_s"] for r in runs)
+        to_new_spread = spread([r["time_to_100pct_new_s"] for r in runs])
+        med = to_new_spread["median"]
         # Longest time any probe request took that started during the rollout (the hold shows here).
         worst = max((p["end"] - p["t"] for r in runs for p in probes
                      if p["status"] == 200 and r["push_start_s"] <= p["t"] - t0 <= r["push_start_s"] + r["time_to_100pct_new_s"]),
                     default=None)
-        by_mode[mode] = {"time_to_100pct_new_s": med,
+        names = sorted({k for r in runs for k in r["steps_s"]})
+        by_mode[mode] = {"time_to_100pct_new_s": med, "time_to_100pct_new": to_new_spread,
+                         "steps_median_s": {k: statistics.median(r["steps_s"][k] for r in runs if k in r["steps_s"])
+                                            for k in names},
                          "time_to_100pct_new_all_s": [r["time_to_100pct_new_s"] for r in runs],
-                         "ratio_to_raw_transfer": med / raw, "longest_probe_request_s": worst}
+                         "ratio_to_raw_transfer": med / raw,
+                         # The ratio's spread: quartiles of one over the other quartiles of the other.
+                         "ratio_q1_over_q3_to_q3_over_q1": [to_new_spread["q1"] / raw_spread["q3"],
+                                                            to_new_spread["q3"] / raw_spread["q1"]],
+                         "longest_probe_request_s": worst}
     summary = {
         "modes": by_mode,
         "version_from": old, "versions": versions,
         "rollout_states": [r["state"] for r in per_rollout],
         "requests_load": len(records), "failed_load": len(failed_load),
-        "failed_load_errors": sorted({str(r.error) for r in failed_load}),
+        "failed_load_errors": sorted({str(r["error"]) for r in failed_load}),
         "requests_probe": len(probes), "failed_probe": len(failed_probe),
         "probe_responses_with_unknown_version": len(mixed),
         "probe_version_regressions": regressions,
         "time_to_100pct_new_s": to_new,
         "time_to_100pct_new_all_s": [r["time_to_100pct_new_s"] for r in per_rollout],
         "raw_transfer_seconds": raw,
+        "raw_transfer": raw_spread,
         "raw_transfer_definition": ("median of direct push() calls of the same bytes (same dtype) into every "
                                     "engine at once (arm, stream, verify, load, commit version, reset "
                                     "prefix cache), under the same load, before (after one untimed warm-up "
@@ -285,16 +334,21 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         "direct_stream_seconds": [r.transfer_seconds for r in raw_before + raw_after],
         "ratio_to_raw_transfer": to_new / raw,
         "ratio_definition": ("median time_to_100pct_new over the rollouts of one mode / median raw transfer "
-                             "(top-level figures: the first mode; per mode under 'modes')"),
+                             "(top-level figures: the first mode; per mode under 'modes'); medians and "
+                             "interquartile ranges under 'raw_transfer' and modes.*.time_to_100pct_new"),
         "goal": "time_to_100pct_new_s < 2 x raw_transfer_seconds, 0 failed, no mixed versions",
         "dtype": str(dtype),
         "bytes_per_engine": per_rollout[0]["bytes_per_engine"],
         "concurrency": args.concurrency,
         "cpus": os.cpu_count(),
         "load_avg_1m_start": load_start,
-        "load_avg_1m_end": os.getloadavg()[0],
+        "load_avg_1m_end": load_end,
+        "load_avg_1m_after_each_rollout": [ro["load_avg_1m"] for ro in rollouts],
+        "load_generator": ("benchmarks/rollout_load.py in its own process (closed loop in back-to-back "
+                           "10 s slices + two probes), not sharing the trainer's GIL"),
         "rollouts": per_rollout,
-        "probes": [{**p, "t": p["t"] - t0, "end": p["end"] - t0} for p in probes],
+        "probes": [{k: v for k, v in p.items() if k != "kind"} | {"t": p["t"] - t0, "end": p["end"] - t0}
+                   for p in probes],
     }
     rb = admin.post("/admin/weights/rollback", json={"to_version": old})
     summary["rollback_status"] = rb.status_code
@@ -314,11 +368,11 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 3.8))
+    fig, ax = plt.subplots(figsize=(12, 3.8))
     replicas = sorted({p["replica"] for p in summary["probes"] if p["replica"]})
     versions = [summary["version_from"], *summary["versions"]]
-    colors = dict(zip(versions, ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
-                                  "tab:olive", "tab:cyan", "tab:red", "tab:gray"]))
+    palette = plt.get_cmap("tab20").colors
+    colors = {v: palette[i % len(palette)] for i, v in enumerate(versions)}
     for i, rep in enumerate(replicas):
         for ver in versions:
             pts = [p["end"] for p in summary["probes"] if p["replica"] == rep and p["version"] == ver]
@@ -334,13 +388,16 @@ def plot(summary: dict, path: Path) -> None:
         ax.axvline(t + ro["time_to_100pct_new_s"], color="green", lw=1.2)
     ax.set_yticks(range(len(replicas)), replicas)
     ax.set_xlabel("seconds since the first push (black: push start, dotted: drain, grey: re-admit, green: 100% new)")
-    per_mode = "; ".join(f"{m}: {', '.join(f'{x:.2f}' for x in v['time_to_100pct_new_all_s'])} s"
+    def quartiles(d: dict) -> str:
+        return f"{d['median']:.2f} s (IQR {d['q1']:.2f}-{d['q3']:.2f}, n={d['n']})"
+
+    per_mode = "; ".join(f"{m}: {quartiles(v['time_to_100pct_new'])} = {v['ratio_to_raw_transfer']:.1f}x raw"
                          for m, v in summary["modes"].items())
     ax.set_title(f"{len(summary['rollouts'])} weight updates under load "
                  f"({summary['bytes_per_engine'] / 1e6:.1f} MB per engine): "
-                 f"{summary['failed_load'] + summary['failed_probe']} failed requests; 100% new after "
-                 f"{per_mode} (median raw transfer {summary['raw_transfer_seconds']:.2f} s)", fontsize=8)
-    ax.legend(loc="upper left", fontsize=8)
+                 f"{summary['failed_load'] + summary['failed_probe']} failed requests; 100% new after\n"
+                 f"{per_mode}; raw transfer {quartiles(summary['raw_transfer'])}", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.02), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -629,9 +629,8 @@ class WeightOrchestrator:
                 intake.stage_failed = intake.stage_failed or "engines did not stage in time"
         if intake.finishing is None:
             self.start_rollout(intake, version)
-        elif version and version != state.version:
-            raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
-                                 param="weight_version")
+        else:
+            _check_pushed_version(state, version)
         await asyncio.shield(intake.finishing)
         return state
 
@@ -643,9 +642,7 @@ class WeightOrchestrator:
                 raise InvalidRequest(f"staging failed: {intake.stage_failed}")
             if intake.staged is None and not intake.engines:
                 raise InvalidRequest("no verified weights staged: /update_weights first")
-            if state.version and version and version != state.version:
-                raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
-                                     param="weight_version")
+            _check_pushed_version(state, version)
             state.version = state.version or version or ""
             if not state.version or state.version in RESERVED_VERSIONS:
                 raise InvalidRequest("a push needs a version name (not 'base' or 'default')")
@@ -685,12 +682,10 @@ class WeightOrchestrator:
             if len(served) != 1:
                 raise Conflict(f"replicas serve different versions {sorted(served)}; name to_version")
             target = store.previous(served.pop()) or ""
-        if target == ENGINE_BASE_VERSION and not store.has(target):
-            source = store.base_model_dir  # the launch weights never leave disk, even when evicted
-        elif target and store.has(target):
-            source = store.path(target)
-        else:
+        # The launch weights never leave disk: store.source reads them from the base model once evicted.
+        if not (target == ENGINE_BASE_VERSION or (target and store.has(target))):
             raise Conflict(f"no checkpoint to roll back to (have {store.versions()})", code="no_checkpoint")
+        source = store.source(target)
         state = RolloutState(id=_rollout_id(), kind="rollback", version=gateway_label(target),
                              source="store", mode="rolling",
                              tiers=[request.tier] if request.tier else self.fleet.tiers())
@@ -719,6 +714,13 @@ class WeightOrchestrator:
                 state.note("succeeded")
             state.finished_at = time.time()
         return state
+
+
+def _check_pushed_version(state: RolloutState, version: str | None) -> None:
+    """The version a trainer names at finish must be the one its rollout was opened for."""
+    if state.version and version and version != state.version:
+        raise InvalidRequest(f"pushed version {version!r} != requested {state.version!r}",
+                             param="weight_version")
 
 
 def _rollout_id() -> str:

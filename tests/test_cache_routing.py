@@ -18,8 +18,6 @@ from cache import (
     SharedPrefixIndex, UnknownPolicy,
 )
 
-REDIS_URL = "redis://127.0.0.1:6379/13"
-
 
 class Replica(msgspec.Struct):
     name: str
@@ -249,9 +247,9 @@ async def _eventually(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_two_gateways_sharing_redis_agree() -> None:
+async def test_two_gateways_sharing_redis_agree(redis_url: str) -> None:
     # Separate connections, as two gateway processes would have.
-    clients = [aioredis.Redis.from_url(REDIS_URL) for _ in range(3)]
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(3)]
     prefix = "yg-test-cache"
     try:
         await _shared_index_scenario(clients, prefix)
@@ -296,10 +294,10 @@ async def _shared_index_scenario(clients: list, prefix: str) -> None:
         await b.close()
 
 
-async def test_a_write_batch_leaves_redis_as_op_by_op_writes_do() -> None:
+async def test_a_write_batch_leaves_redis_as_op_by_op_writes_do(redis_url: str) -> None:
     """Records of one replica are merged into one ZADD per batch; removes and clears in between
     must still apply to exactly the blocks added before them."""
-    client = aioredis.Redis.from_url(REDIS_URL)
+    client = aioredis.Redis.from_url(redis_url)
     prefixes = ("yg-test-batch-a", "yg-test-batch-b")
     try:
         states = []

@@ -76,6 +76,38 @@ def push_under_load(stack, threads: list[threading.Thread], stop: threading.Even
     return report
 
 
+def recorded_load(stack, seen: list, stop: threading.Event, model: str) -> threading.Thread:
+    """A client that keeps asking `model` for the same greedy completion; records (model, status,
+    version label, text) of every answer."""
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                r = http.post(stack.gateway_url + "/v1/completions", json={
+                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+                seen.append((model, r.status_code, r.headers.get("x-yieldgate-weight-version", ""), text))
+
+    return threading.Thread(target=run)
+
+
+def snapshot_texts(stack) -> dict[str, str]:
+    return {m: complete(stack.gateway_url, model=m, max_tokens=4).json()["choices"][0]["text"]
+            for m in ("demo", "demo:fast")}
+
+
+def base_and_recorded_load(stack, admin) -> tuple[dict[str, str], list[tuple[str, int, str, str]],
+                                                  list[threading.Thread], threading.Event]:
+    """For a push expected to leave base in place: what base answers per model, and one
+    `recorded_load` client per model (not started: `push_under_load` runs them)."""
+    assert set(versions(admin).values()) == {"base"}
+    base_text = snapshot_texts(stack)
+    seen: list[tuple[str, int, str, str]] = []  # (model, status, version label, text)
+    stop = threading.Event()
+    threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
+    return base_text, seen, threads, stop
+
+
 def versions(admin: httpx.Client) -> dict[str, str]:
     return {n: r["weight_version"] for n, r in admin.get("/admin/weights").json()["replicas"].items()}
 
@@ -232,36 +264,12 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
     assert set(versions(admin).values()) == {"base"}
 
 
-def recorded_load(stack, seen: list, stop: threading.Event, model: str) -> threading.Thread:
-    """A client that keeps asking `model` for the same greedy completion; records (status,
-    version label, text) of every answer."""
-
-    def run() -> None:
-        with httpx.Client(timeout=120) as http:
-            while not stop.is_set():
-                r = http.post(stack.gateway_url + "/v1/completions", json={
-                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
-                seen.append((model, r.status_code, r.headers.get("x-yieldgate-weight-version", ""), text))
-
-    return threading.Thread(target=run)
-
-
-def snapshot_texts(stack) -> dict[str, str]:
-    return {m: complete(stack.gateway_url, model=m, max_tokens=4).json()["choices"][0]["text"]
-            for m in ("demo", "demo:fast")}
-
-
 def test_all_at_once_failure_on_one_engine_restores_every_replica(stack, admin, story, base_weights):
     """One engine receives a corrupted chunk during an all_at_once update: its apply fails, so
     every replica goes back to N-1 before the held requests are released. None of them fails,
     and none is answered by the weights that never went live."""
     bad = "wr-corrupt"
-    assert set(versions(admin).values()) == {"base"}
-    base_text = snapshot_texts(stack)
-    seen: list[tuple[str, int, str, str]] = []
-    stop = threading.Event()
-    threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
+    base_text, seen, threads, stop = base_and_recorded_load(stack, admin)
     faults = PushFaults(corrupt_chunk=3, only=lambda url: url.endswith("/engine/fast-0"))
     with pytest.raises(PushFailed) as failure:
         push_under_load(stack, threads, stop, perturbed(base_weights, 4), bad, mode="all_at_once",
@@ -292,11 +300,7 @@ def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, 
     """The engines take the push, but the gateway's own copy (the checkpoint rollback needs)
     fails its checksums: the rollout fails once the engines swapped, and N-1 is restored."""
     new = "wr-nocopy"
-    assert set(versions(admin).values()) == {"base"}
-    base_text = snapshot_texts(stack)
-    seen: list[tuple[str, int, str, str]] = []
-    stop = threading.Event()
-    threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
+    base_text, seen, threads, stop = base_and_recorded_load(stack, admin)
     faults = PushFaults(corrupt_chunk=3, only=lambda url: "/engine/" not in url)  # the gateway's intake
     with pytest.raises(PushFailed):
         push_under_load(stack, threads, stop, perturbed(base_weights, 5), new, faults=faults)
