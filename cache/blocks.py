@@ -17,6 +17,7 @@ compare equal.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 import struct
 from collections.abc import Callable, Sequence
@@ -31,6 +32,14 @@ ExternalFormat = Literal["int64", "bytes"]
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _LOW64 = (1 << 64) - 1
 _MEMO_MAX_BLOCKS = 65536  # parent + packed block -> digest; ~19 MiB at the bound (tracemalloc)
+
+
+def _drop_oldest(d: dict, n: int) -> None:
+    """Drop the n oldest entries of an insertion-ordered dict in one pass. Dropping one per insert
+    (`del d[next(iter(d))]`) costs a walk past every entry deleted since the dict last resized,
+    which leaves them as dummies at the front: 8.5 µs per insert at 65k entries, 1.1 µs this way."""
+    for key in list(itertools.islice(d, n)):
+        del d[key]
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -98,7 +107,7 @@ class BlockHasher:
             if digest is None:
                 digest = h((parent, tuple(token_ids[start:start + bs]), None))
                 if len(memo) >= _MEMO_MAX_BLOCKS:
-                    del memo[next(iter(memo))]  # oldest first
+                    _drop_oldest(memo, _MEMO_MAX_BLOCKS // 16)
                 memo[key] = digest
             parent = digest
             out.append(parent)

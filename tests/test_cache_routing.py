@@ -54,6 +54,20 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
     assert sum(isinstance(k, bytes) for k in hasher._memo) >= 8
 
 
+def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(monkeypatch) -> None:
+    import cache.blocks
+    monkeypatch.setattr(cache.blocks, "_MEMO_MAX_BLOCKS", 64)
+    hasher = BlockHasher()
+    prompts = [tokens(p, 8, 1) for p in range(20)]  # 160 distinct blocks through a 64-block memo
+    for ids in prompts + prompts[:3]:
+        assert hasher.hashes(ids) == engine_chain(ids)
+        assert len(hasher._memo) <= 64
+    newest = prompts[-1]
+    assert hasher.hashes(newest) == engine_chain(newest)
+    packed_last = cache.blocks._packed(newest[7 * 32:8 * 32])
+    assert any(k.endswith(packed_last) for k in hasher._memo)  # the newest blocks stayed
+
+
 def test_prefix_routed_twice_lands_on_same_replica() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)
     fleet = [Replica("a"), Replica("b"), Replica("c")]
