@@ -7,7 +7,7 @@ import gc
 import hmac
 import ipaddress
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
 from fastapi import Depends, FastAPI, Request
@@ -24,6 +24,9 @@ from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
 from .metrics import GatewayMetrics
 from .proxy import Proxy
+
+if TYPE_CHECKING:
+    import uvicorn
 from .routing import Routing
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .weights import WeightOrchestrator, build_intake_router
@@ -138,6 +141,17 @@ class GatewayApp(FastAPI):
             log.exception("unexpected error on %s", scope["path"])
             response = error_response(500, "Internal gateway error.", "server_error", code="internal_error")
         await response(scope, receive, send)
+
+
+def server_config(asgi: Any, config: Config, **overrides: Any) -> "uvicorn.Config":
+    """How the gateway runs under uvicorn, for `yieldgate gateway` and the embedded gateway alike."""
+    import uvicorn
+
+    options: dict[str, Any] = dict(
+        host=config.server.host, port=config.server.port, loop="uvloop", http="httptools",
+        access_log=False, log_level="warning", timeout_graceful_shutdown=10,
+        timeout_keep_alive=config.server.keep_alive_s)
+    return uvicorn.Config(asgi, **(options | overrides))
 
 
 def create_app(config: Config) -> GatewayApp:

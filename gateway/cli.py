@@ -39,18 +39,14 @@ def _load(config_path: Optional[Path]) -> Config:
 def _serve(config: Config) -> None:
     import uvicorn
 
-    from .app import InsecureConfig, create_app
+    from .app import InsecureConfig, create_app, server_config
 
     try:
         asgi = create_app(config)
     except InsecureConfig as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    uvicorn.Server(uvicorn.Config(
-        asgi, host=config.server.host, port=config.server.port, loop="uvloop", http="httptools",
-        access_log=False, log_level="warning", timeout_graceful_shutdown=10,
-        timeout_keep_alive=config.server.keep_alive_s,
-    )).run()
+    uvicorn.Server(server_config(asgi, config)).run()
 
 
 @model_app.command("make")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
-from .app import Gateway, create_app
+from .app import Gateway, create_app, server_config
 from .config import Config
 
 
@@ -34,9 +34,7 @@ class EmbeddedGateway:
         self.port = free
         config.server.port = free
         self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", access_log=False,
-                                                    timeout_keep_alive=config.server.keep_alive_s))
+        self.server = uvicorn.Server(server_config(self.app, config, host="127.0.0.1"))
         self.thread = threading.Thread(target=self.server.run, name="embedded-gateway", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
