@@ -214,7 +214,8 @@ prefix = "{KEY_PREFIX}"
 
 
 class Yieldgate:
-    def __init__(self, upstream: str, workdir: Path, variant: str):
+    def __init__(self, upstream: str, workdir: Path, variant: str, code: Path = ROOT):
+        """`code`: the checkout whose gateway runs (another worktree, to compare code versions)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         v = VARIANTS[variant]
@@ -226,7 +227,7 @@ class Yieldgate:
         env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
         env["YIELDGATE_HOME"] = str(self.workdir)
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "gateway.cli", "gateway", "--config", str(cfg)],
-                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                     cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
         wait_http(self.url + "/healthz", 60, self.proc)
         self.api_key: str | None = None

@@ -1,6 +1,10 @@
 """Interleaved A/B of gateway variants at one fixed rate, with the gateway's own stalls logged.
 
     python benchmarks/gateway_overhead_ab.py [--rate 500 --seconds 40 --rounds 3 --variants full,no_tokenize,no_metrics]
+    python benchmarks/gateway_overhead_ab.py --variants full,full@base --code base=/work/base
+
+A variant `NAME@LABEL` runs the gateway of another checkout (`--code LABEL=PATH`, e.g. a git worktree of
+the commit before a change), so two code versions are compared side by side in one run.
 
 The same fake upstream, load worker and core pinning as `gateway_overhead.py` (whose functions it
 uses), but rounds of every variant and a direct run interleaved, so slow drift of this VM hits
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +77,7 @@ def events(diag: Path, role: str, t0: float, t1: float) -> dict[str, list[float]
     return out
 
 
-def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path) -> dict:
+def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, code: dict[str, Path]) -> dict:
     for f in diag.glob("*.log"):
         f.unlink()
     port = go.free_port()
@@ -83,7 +88,8 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path) -
         if variant == "direct":
             url, key, pids = f"http://127.0.0.1:{port}", None, [upstream.pid]
         else:
-            gateway = go.Yieldgate(f"http://127.0.0.1:{port}", work, variant)
+            name, _, label = variant.partition("@")
+            gateway = go.Yieldgate(f"http://127.0.0.1:{port}", work, name, code[label] if label else go.ROOT)
             url, key, pids = gateway.url, gateway.api_key, [gateway.proc.pid]
         phases = [{"name": "warmup", "workload": go.UNARY_WORKLOAD,
                    "load": {"kind": "concurrency", "concurrency": 8}, "bounds": {"requests": 300}},
@@ -104,21 +110,33 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path) -
             "gateway": events(diag, "gw", t0 + WARMUP_S, t1), "load_worker": events(diag, "lg", t0 + WARMUP_S, t1)}
 
 
+def _commit(path: Path) -> str:
+    out = subprocess.run(["git", "-C", str(path), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rate", type=float, default=500)
     p.add_argument("--seconds", type=float, default=40)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default="full,no_tokenize,no_metrics")
+    p.add_argument("--variants", default="full,no_tokenize,no_metrics",
+                   help="comma-separated; NAME@LABEL runs the checkout given by --code LABEL=PATH")
+    p.add_argument("--code", action="append", default=[], metavar="LABEL=PATH",
+                   help="another checkout of this repository (e.g. a git worktree of the baseline commit)")
     p.add_argument("--out", default=str(go.RESULTS / f"gateway_overhead_ab-{time.strftime('%Y%m%d')}.json"))
     a = p.parse_args()
     from serving.demo_model import ensure_demo_model
 
     go.MODEL_PATH = str(ensure_demo_model())
     variants = a.variants.split(",") + ["direct"]
+    code = {label: Path(path).resolve() for label, _, path in (c.partition("=") for c in a.code)}
     for v in variants:
-        if v != "direct" and v not in go.VARIANTS:
-            p.error(f"unknown variant {v!r}; have {', '.join(go.VARIANTS)}")
+        name, _, label = v.partition("@")
+        if v != "direct" and name not in go.VARIANTS:
+            p.error(f"unknown variant {name!r}; have {', '.join(go.VARIANTS)}")
+        if label and not (code.get(label, Path("/nonexistent")) / "gateway" / "cli.py").exists():
+            p.error(f"variant {v!r}: give the checkout with --code {label}=PATH")
     tmp = Path(tempfile.mkdtemp(prefix="yg-ab-"))
     (tmp / "site").mkdir()
     (tmp / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -129,7 +147,7 @@ def main() -> None:
     runs = []
     for r in range(a.rounds):
         for v in variants:
-            run = one_run(v, a.rate, a.seconds, tmp, diag)
+            run = one_run(v, a.rate, a.seconds, tmp, diag, code)
             run["round"] = r + 1
             runs.append(run)
             gw = run["gateway"]
@@ -148,6 +166,8 @@ def main() -> None:
         print(f"{v:<12} added p50 {summary[v]['added_p50_ms_median']:+.2f} ms, p99 {summary[v]['added_p99_ms_median']:+.2f} ms "
               f"(medians over rounds); gateway gaps > 8 ms per run: {summary[v]['gateway_gaps_over_8ms_median']:g}")
     Path(a.out).write_text(json.dumps({"rate": a.rate, "seconds": a.seconds, "rounds": a.rounds,
+                                       "code": {label or "(this checkout)": {"path": str(path), "commit": _commit(path)}
+                                                for label, path in {"": go.ROOT, **code}.items()},
                                        "loadavg_1min_end": os.getloadavg()[0], "summary": summary, "runs": runs},
                                       indent=1))
     print(f"results in {a.out}")
