@@ -78,15 +78,15 @@ class PrefixIndex:
     def capacity(self, replica: str) -> int:
         return self._capacity.get(replica, self.config.default_capacity_blocks)
 
-    def record(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
-        """Approximate: the gateway sent these blocks to `replica`."""
-        self._touch(replica, block_hashes)
+    def record(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Approximate: the gateway sent these blocks to `replica`. Returns the ones it did not hold."""
         self._counters["recorded"] += len(block_hashes)
+        return self._touch(replica, block_hashes)
 
-    def store(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
-        """Precise: the engine announced BlockStored."""
-        self._touch(replica, block_hashes)
+    def store(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Precise: the engine announced BlockStored. Returns the ones it did not hold."""
         self._counters["stored"] += len(block_hashes)
+        return self._touch(replica, block_hashes)
 
     def remove(self, replica: str, block_hashes: Iterable[BlockHash]) -> None:
         """Precise: the engine announced BlockRemoved."""
@@ -109,19 +109,25 @@ class PrefixIndex:
         self.clear(replica)
         self._capacity.pop(replica, None)
 
-    def _touch(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+    def _touch(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
         lru = self._blocks.get(replica)
         if lru is None:
             lru = self._blocks[replica] = OrderedDict()
+        new: list[BlockHash] = []
+        move = lru.move_to_end
         # Newest last, touched tail-first: vLLM frees a request's blocks in
         # reverse, so the prefix head outlives its tail under eviction.
         for h in reversed(block_hashes):
             if h in lru:
-                lru.move_to_end(h)
+                move(h)
             else:
                 lru[h] = None
-                self._total += 1
-        self._evict(replica)
+                new.append(h)
+        if new:
+            self._total += len(new)
+            self._evict(replica)
+            new.reverse()  # in prompt order
+        return new
 
     def _evict(self, replica: str) -> None:
         lru = self._blocks.get(replica)
@@ -201,6 +207,9 @@ class SharedPrefixIndex:
         self.config = config
         self.local = local or PrefixIndex(config)
         self.origin = f"{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"
+        # A batch's first op names its origin within the message's first bytes (array headers, then
+        # the origin string): this gateway's own batches are recognised there, without decoding them.
+        self._own_head = self.origin.encode()
         self._pending: list[_Op] = []
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()
@@ -280,21 +289,17 @@ class SharedPrefixIndex:
     # Only blocks this index did not hold yet go to Redis: a hot prefix is re-recorded by every
     # request that uses it, and re-sending it would cost a Redis write per request for nothing
     # (recency of known blocks is kept locally; Redis only seeds gateways that start later).
-    def record(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
-        new = self._new(replica, block_hashes)
-        self.local.record(replica, block_hashes)
+    def record(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        new = self.local.record(replica, block_hashes)
         if new:
             self._emit(_Op(self.origin, _RECORD, replica, new))
+        return new
 
-    def store(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
-        new = self._new(replica, block_hashes)
-        self.local.store(replica, block_hashes)
+    def store(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        new = self.local.store(replica, block_hashes)
         if new:
             self._emit(_Op(self.origin, _STORE, replica, new))
-
-    def _new(self, replica: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        holds = self.local.holds
-        return [h for h in block_hashes if not holds(replica, h)]
+        return new
 
     def remove(self, replica: str, block_hashes: Iterable[BlockHash]) -> None:
         block_hashes = list(block_hashes)
@@ -400,6 +405,8 @@ class SharedPrefixIndex:
             msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if msg is None or msg.get("type") != "message":
                 continue
+            if self._own_head in msg["data"][:len(self._own_head) + 16]:
+                continue  # published by this gateway: already applied locally
             try:
                 ops = self._decoder.decode(msg["data"])
             except msgspec.DecodeError:
@@ -407,6 +414,6 @@ class SharedPrefixIndex:
                 continue
             for op in ops:
                 if op.origin == self.origin:
-                    break  # a batch comes from one gateway
+                    break  # a batch comes from one gateway (kept in case the header check misses one)
                 self._apply(op)
                 self.applied_remote += 1
