@@ -24,6 +24,7 @@ from typing import Any, Literal
 import tiktoken
 import tokenizers
 
+from cache.blocks import drop_oldest
 from cache.chat_template import ChatTemplate
 
 Backend = Literal["tiktoken", "hf"]
@@ -262,7 +263,7 @@ class Tokenizer:
                 # while a kept list of ids is walked again by every older-generation pass.
                 ids = tuple(self._ids(self.encoding.encode_ordinary(piece)))
                 if len(cache) >= _CACHE_MAX_SEGMENTS:
-                    del cache[next(iter(cache))]  # oldest first
+                    drop_oldest(cache, _CACHE_MAX_SEGMENTS // 16)
                 cache[piece] = ids
             out.extend(ids)
         return out

@@ -70,7 +70,7 @@ class KeyStore:
         return f"{self.prefix}key:{key_id}"
 
     def digest(self, secret: str) -> str:
-        return hmac.new(self._pepper, secret.encode(), hashlib.sha256).hexdigest()
+        return hmac.digest(self._pepper, secret.encode(), "sha256").hex()  # one C call; hmac.new is ~5x slower
 
     async def create(self, team: str = "", *, name: str = "", budget_usd: Decimal | str | None = None,
                      budget_kind: BudgetKind = "hard", budget_period: BudgetPeriod = "monthly",
