@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -10,24 +11,43 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class CounterBatch:
-    """Counter increments gathered on the request path and applied to Prometheus at scrape time:
-    a dict update costs a fraction of prometheus_client's locked inc(), and a dozen counters move
-    per request."""
+    """Counter increments and histogram observations gathered on the request path and applied to
+    Prometheus at scrape time: a dict update costs a fraction of prometheus_client's locked inc(),
+    and a dozen counters move per request. Histogram observations are counted into buckets here
+    (one bisect) and added bucket by bucket at the scrape, so a scrape costs the same however many
+    requests came since (observing each one then would stall the event loop)."""
 
-    __slots__ = ("_pending",)
+    __slots__ = ("_pending", "_observed")
 
     def __init__(self) -> None:
         self._pending: dict[Any, Any] = {}
+        self._observed: dict[Any, list[float]] = {}  # histogram child -> [sum, count per bucket...]
 
     def inc(self, child: Any, amount: Any = 1) -> None:
         """Add `amount` (int, float or Decimal) to a labelled Counter child."""
         pending = self._pending
         pending[child] = pending.get(child, 0) + amount
 
+    def observe(self, child: Any, amount: float) -> None:
+        """Histogram.observe(amount) on a labelled Histogram child, applied at the next scrape."""
+        counts = self._observed.get(child)
+        if counts is None:
+            counts = self._observed[child] = [0.0] * (len(child._upper_bounds) + 1)
+        counts[0] += amount
+        # prometheus_client puts a value in the first bucket whose upper bound is >= it.
+        counts[bisect_left(child._upper_bounds, amount) + 1] += 1
+
     def apply(self) -> None:
         pending, self._pending = self._pending, {}
         for child, amount in pending.items():
             child.inc(float(amount))
+        observed, self._observed = self._observed, {}
+        for child, counts in observed.items():
+            # What observe() does, summed: the sum, then one count per bucket (cumulated at export).
+            child._sum.inc(counts[0])
+            for bucket, n in zip(child._buckets, counts[1:]):
+                if n:
+                    bucket.inc(n)
 
 
 class GatewayMetrics:

@@ -283,3 +283,28 @@ async def test_ledger_and_request_metrics_can_be_switched_off(gateway_factory, f
         async with s.get(gw.url + "/metrics") as resp:
             assert 'yieldgate_requests_total{' not in await resp.text()
     assert gw.gateway.accounting.ledger is None
+
+
+def test_batched_histogram_observations_export_as_prometheus_observe_would():
+    """The request path counts histogram observations into buckets and adds them at the scrape
+    (gateway.metrics.CounterBatch): the exposition must equal observing each value directly."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from gateway.metrics import CounterBatch
+
+    def exposition(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    direct_registry, batched_registry = CollectorRegistry(), CollectorRegistry()
+    direct = Histogram("h", "doc", ["tier"], buckets=(0.005, 0.01, 1, 5), registry=direct_registry)
+    batched = Histogram("h", "doc", ["tier"], buckets=(0.005, 0.01, 1, 5), registry=batched_registry)
+    batch = CounterBatch()
+    for values in ([0.0, 0.005, 0.0051, 0.3, 7.0, 1e9, 2.5], [0.01, 0.01, 4.99]):
+        for v in values:
+            for tier in ("standard", "fast"):
+                direct.labels(tier).observe(v)
+                batch.observe(batched.labels(tier), v)
+        assert exposition(batched_registry) != exposition(direct_registry)  # not applied before the scrape
+        batch.apply()
+        assert exposition(batched_registry) == exposition(direct_registry)
+    assert 'h_bucket{le="0.005",tier="fast"} 2.0' in exposition(batched_registry)
