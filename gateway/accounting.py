@@ -381,10 +381,11 @@ class Accounting:
                 rc = self._request_children[(ctx.kind, ctx.tier, status)] = (
                     m.requests.labels(ctx.kind, ctx.tier, status), m.latency.labels(ctx.tier),
                     m.ttft.labels(ctx.tier))
-            self.metrics.batch.inc(rc[0])
-            rc[1].observe(latency)
+            batch = self.metrics.batch
+            batch.inc(rc[0])
+            batch.observe(rc[1], latency)
             if ctx.ttft is not None:
-                rc[2].observe(ctx.ttft)
+                batch.observe(rc[2], ctx.ttft)
         estimated = False
         if usage is None and status == "aborted" and ctx.replica is not None:
             usage = self._estimate_aborted(ctx)
@@ -408,13 +409,15 @@ class Accounting:
             self._after_keyed(ctx, key, cost, priced)
         if usage is None:
             return {}
-        self._count(ctx, usage, priced, cost, latency, estimated)
+        # Totals, token and cost counters and the cache advisor only feed the dashboard and the
+        # metrics: they run right after the response is written, not before (~40 µs per request).
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._count, ctx, usage, priced, cost, latency, estimated)
         # The advisor compares a prompt with the previous one of its session; without a session all
         # of a key's requests share one slot, so sample those (diagnosing a 600-token prompt costs ~80 µs).
         if ctx.prompt_tokens and (ctx.session_id or next(self._advisor_sample) % ADVISOR_SAMPLE == 0):
-            asyncio.get_running_loop().call_soon(
-                self.advisor.observe, key.id if key else "anonymous", ctx.session_id or None,
-                ctx.prompt_tokens)
+            loop.call_soon(self.advisor.observe, key.id if key else "anonymous", ctx.session_id or None,
+                           ctx.prompt_tokens)
         ctx.cost_header = cost.header_value()
         return {} if estimated else {"cost": cost.to_wire()}
 
@@ -439,7 +442,7 @@ class Accounting:
                 m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
             else:
                 inc(c.predicted_cached, ctx.predicted_cached_tokens)
-                c.prediction_error.observe(abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+                self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - usage.cached_tokens))
         if not estimated:
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)
