@@ -229,7 +229,11 @@ class Yieldgate:
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
-        wait_http(self.url + "/healthz", 60, self.proc)
+        try:
+            wait_http(self.url + "/healthz", 60, self.proc)
+        except BaseException:
+            stop(self.proc)  # a gateway that never came up must not outlive the run
+            raise
         self.api_key: str | None = None
         if v["require_keys"]:
             self.api_key = self._create_key()
