@@ -187,7 +187,7 @@ class Runner:
                     return
                 await self._session(phase, session, slot, time.perf_counter())
 
-        await self._drain(bounds, [asyncio.create_task(worker()) for _ in range(max(1, concurrency))])
+        await self._drain(phase, bounds, [asyncio.create_task(worker()) for _ in range(max(1, concurrency))])
 
     async def _open_loop(self, phase: _Phase, load: PoissonLoad | ReplayLoad, bounds: Bounds) -> None:
         sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
@@ -223,19 +223,26 @@ class Runner:
                 # Gamma with shape k and scale 1/(rate*k) keeps the mean gap at 1/rate.
                 k = load.burstiness
                 next_at += self._arrivals.gammavariate(k, 1.0 / (load.rate * k))
-        await self._drain(bounds, list(tasks))
+        await self._drain(phase, bounds, list(tasks))
 
-    async def _drain(self, bounds: Bounds, tasks: list[asyncio.Task]) -> None:
-        if not tasks:
-            return
-        done, pending = await asyncio.wait(tasks, timeout=bounds.drain_timeout_s + bounds.timeout_s)
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # a bug in the harness, not a failed request
+    async def _drain(self, phase: _Phase, bounds: Bounds, tasks: list[asyncio.Task]) -> None:
+        """Wait for the phase's tasks; cancel them only once no request has finished for
+        drain_timeout_s + timeout_s (every request ends within timeout_s, so that is a stuck
+        harness). A closed loop's workers live as long as the phase, so a fixed deadline from
+        here would cut off every run longer than that window (64 requests were, at 80k requests)."""
+        pending = set(tasks)
+        finished = -1
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=bounds.drain_timeout_s + bounds.timeout_s)
+            broken = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if pending and (broken or len(phase.records) == finished):
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                pending = set()
+            if broken:
+                raise broken[0].exception()  # a bug in the harness, not a failed request
+            finished = len(phase.records)
 
     # -- one session -------------------------------------------------------------------------------
 

@@ -6,11 +6,15 @@ it. Set YIELDGATE_TEST_GATEWAY=http://host:port to reuse a stack that is already
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +28,33 @@ ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
 ENGINE_BASE_PORT = GATEWAY_PORT + 101
 STARTUP_TIMEOUT_S = 900
+
+
+@contextlib.contextmanager
+def fake_upstream_process(*flags: str) -> Iterator[str]:
+    """benchmarks/fake_upstream.py in a subprocess (e.g. flags "--itl-ms", "10"); yields its URL.
+    For tests of the gateway's or the load tester's own plumbing, where a real engine would only be
+    slower and noisier."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_upstream.py"), "--port", str(port),
+                             *flags], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("fake upstream did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @dataclass

@@ -11,29 +11,19 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
 
+from conftest import fake_upstream_process
 from gateway.config import Config, LimitsConfig, ServerConfig
 from serving.config import FleetConfig, ReplicaConfig, TierConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 ITL_MS = 50
 TOKENS = 8
 MAX_BODY = 64 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _counters(url: str) -> dict[str, int]:
@@ -45,23 +35,8 @@ def _counters(url: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def fake_upstream():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "fake_upstream.py"), "--port", str(port),
-                             "--itl-ms", str(ITL_MS), "--tokens", str(TOKENS)], stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("fake upstream did not start")
-            time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    with fake_upstream_process("--itl-ms", str(ITL_MS), "--tokens", str(TOKENS)) as url:
+        yield url
 
 
 @pytest.fixture
