@@ -682,10 +682,9 @@ class WeightOrchestrator:
             if len(served) != 1:
                 raise Conflict(f"replicas serve different versions {sorted(served)}; name to_version")
             target = store.previous(served.pop()) or ""
-        # The launch weights never leave disk: store.source reads them from the base model once evicted.
-        if not (target == ENGINE_BASE_VERSION or (target and store.has(target))):
+        source = store.source(target) if target else None
+        if source is None:
             raise Conflict(f"no checkpoint to roll back to (have {store.versions()})", code="no_checkpoint")
-        source = store.source(target)
         state = RolloutState(id=_rollout_id(), kind="rollback", version=gateway_label(target),
                              source="store", mode="rolling",
                              tiers=[request.tier] if request.tier else self.fleet.tiers())

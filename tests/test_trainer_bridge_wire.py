@@ -173,6 +173,7 @@ def test_checkpoint_store_never_evicts_a_version_still_served(tmp_path):
     assert store.versions() == ["v2", "v3"]
     assert store.source("default") == base
     assert store.source("v3") == store.path("v3")
+    assert store.source("v1") is None  # evicted, and only the launch weights have a fallback
 
 
 def test_swap_waves_keep_every_tier_served():
