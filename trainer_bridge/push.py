@@ -318,13 +318,11 @@ def apply_staged(
             {"names": [], "dtype_names": [], "shapes": [], "session": session, "phase": "apply",
              "timeout_s": cfg.stream_timeout_s}
         )
-        # Independent once the weights are in (the engine is drained): one round trip, not three
-        # (vLLM's finish with a version is two engine calls in a row: end session, set version).
-        with ThreadPoolExecutor(2) as pool:
-            calls = [pool.submit(client.reset_prefix_cache), pool.submit(client.set_weight_version, version)]
-            client.finish_weight_update()
-            for call in calls:
-                call.result()
+        # Independent once the weights are in (the engine is drained): one round trip, not two.
+        with ThreadPoolExecutor(1) as pool:
+            reset = pool.submit(client.reset_prefix_cache)
+            client.finish_weight_update(version)
+            reset.result()
 
 
 def discard_staged(engine_url: str) -> None:
