@@ -17,9 +17,11 @@ version (the later of the last re-admission and the end of the last old-version 
 Raw transfer time, as used for the goal (rollout < 2x): a direct `push()` of the same bytes
 (same dtype, asked from the engines once) into every engine at once (arm, stream, verify, load,
 commit the version, reset the prefix cache; no drain, no checkpoint, no verify), under the same
-load in the same run, `--direct-pushes` times before the rollouts (the old weights, re-pushed
-under the version they already serve, after one untimed warm-up push) and as often after them
-(the last weights under the last version), so none changes what any response says. The ratio is
+load in the same run: one just before and one just after each round of rollouts (the weights
+every replica serves at that moment, re-pushed under the version they already serve, after one
+untimed warm-up push), so none changes what any response says and slow drift of the machine's
+load hits raw pushes and rollouts alike (`--no-interleave`: `--direct-pushes` before all rounds
+and as many after them, the method of the runs before 2026-12-01 s8). The ratio is
 median(time to 100% new) / median(raw transfer), per mode; both come with their interquartile
 range (this machine's run-to-run noise is large: read the ratio with them). The fleet is rolled
 back to the version it served before. Writes benchmarks/results/rollout[-big].json and .png.
@@ -181,7 +183,10 @@ def main() -> None:
     ap.add_argument("--version", default="bench", help="rollouts push <version>.1, .2, ...")
     ap.add_argument("--rollouts", type=int, default=6, help="rounds: each pushes once per mode")
     ap.add_argument("--direct-pushes", type=int, default=None,
-                    help="timed direct pushes before and as many after (default: --rollouts)")
+                    help="with --no-interleave: timed direct pushes before and as many after (default: --rollouts)")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="one direct push before and one after each round (default), instead of "
+                         "--direct-pushes before all rounds and as many after them")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=4.0)
     ap.add_argument("--modes", default="rolling,all_at_once",
@@ -221,10 +226,19 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     if dtype is None:
         raise SystemExit("could not read the engines' serving dtype from /server_info")
 
-    def direct_pushes(wset: dict, version: str) -> list:
+    def direct_pushes(wset: dict, version: str, n: int) -> list:
         targets = admin.get("/admin/weight_targets", params={"direct": 1}).json()
         return [push(wset, version, engines=targets["engines"], token=targets["push_token"],
-                     dtype=dtype, progress=False) for _ in range(args.direct_pushes)]
+                     dtype=dtype, progress=False) for _ in range(n)]
+
+    def served() -> tuple[dict, str]:
+        """The weights every replica serves now and the engine's name for them: a direct push
+        of exactly these changes no response."""
+        now = {r["weight_version"] for r in admin.get("/admin/weights").json()["replicas"].values()}
+        if len(now) != 1:
+            raise SystemExit(f"replicas serve {sorted(now)}: no direct push can leave every response as it is")
+        label = now.pop()
+        return (base, "default") if label == old else (weights[label], label)
 
     records_path = Path(tempfile.mkdtemp(prefix="yg-rollout-load-")) / "records.jsonl"
     with load_process(gw, args.concurrency, records_path):
@@ -234,11 +248,20 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         # straight into every engine at once -- changes no response. The first update after engine
         # start pays one-time set-up (staging memory): pushed once untimed.
         push(base, "default", engines=direct["engines"], token=direct["push_token"], dtype=dtype, progress=False)
-        raw_before = direct_pushes(base, "default")
+        raw_before = [] if args.interleave else direct_pushes(base, "default", args.direct_pushes)
         time.sleep(args.settle_s / 2)
         rollouts = []
+        raw_after = []
         previous = old
-        for version, mode in zip(versions, plan):
+        for i, (version, mode) in enumerate(zip(versions, plan)):
+            if args.interleave and i % len(modes) == 0:
+                # Each round: direct pushes of what is served just before and just after its
+                # rollouts, so slow drift of this machine's load hits raw and rollout alike.
+                if i:
+                    raw_after += direct_pushes(*served(), 1)
+                    time.sleep(args.settle_s / 2)
+                raw_before += direct_pushes(*served(), 1)
+                time.sleep(args.settle_s / 2)
             push_start = time.time()
             report = push(weights[version], version, gateway=gw, token=admin_token, dtype=dtype,
                           progress=False, mode=mode)
@@ -251,7 +274,7 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
                              "load_avg_1m": os.getloadavg()[0]})
             previous = version
         # Raw transfer, after: the last weights under the last version (already served everywhere).
-        raw_after = direct_pushes(weights[versions[-1]], versions[-1])
+        raw_after += direct_pushes(*served(), 1 if args.interleave else args.direct_pushes)
         time.sleep(1.0)
         load_end = os.getloadavg()[0]
 
@@ -327,8 +350,11 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
         "raw_transfer": raw_spread,
         "raw_transfer_definition": ("median of direct push() calls of the same bytes (same dtype) into every "
                                     "engine at once (arm, stream, verify, load, commit version, reset "
-                                    "prefix cache), under the same load, before (after one untimed warm-up "
-                                    "push) and after the rollouts"),
+                                    "prefix cache), under the same load, "
+                                    + ("one just before and one just after each round of rollouts (after one "
+                                       "untimed warm-up push)" if args.interleave else
+                                       "before (after one untimed warm-up push) and after the rollouts")),
+        "direct_pushes_interleaved": args.interleave,
         "direct_push_before_seconds": [r.seconds for r in raw_before],
         "direct_push_after_seconds": [r.seconds for r in raw_after],
         "direct_stream_seconds": [r.transfer_seconds for r in raw_before + raw_after],

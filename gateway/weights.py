@@ -18,7 +18,7 @@ new requests ("all_at_once": they wait in `Fleet.wait_released`, then are routed
 on the new weights); no engine's live weights change while it serves. The rollout starts once
 every engine has staged; the gateway's checkpoint copy may still be arriving. A rolling update
 whose version was named up front (`weight_targets?version=`, as push() does) starts as soon as
-every engine is pulling the stream: its first wave, out of routing since the stream began,
+every engine is pulling the stream: its first wave, out of routing since the push was announced,
 loads each tensor as its chunks verify. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
@@ -521,18 +521,19 @@ class WeightOrchestrator:
             raise NotFound(f"rollout {rollout_id!r} has no engine {engine!r}", code="no_rollout")
         return intake
 
-    def drain_early(self, intake: PushIntake) -> None:
-        """Rolling: take the first wave out of routing as soon as the weights start streaming,
-        so its in-flight requests finish (on the old weights) during the transfer rather than
-        after it. Put back if the push never turns into a rollout (`readmit_early`)."""
-        if intake.early or intake.request.mode != "rolling":
+    def drain_early(self, intake: PushIntake, why: str = "weights streaming") -> None:
+        """Rolling: take the first wave out of routing as soon as the push is announced (version
+        named up front) or its weights start streaming, so its in-flight requests finish (on the
+        old weights) during the transfer rather than after it. Put back if the push never turns
+        into a rollout (`readmit_early`)."""
+        if intake.early or intake.request.mode != "rolling" or intake.finishing is not None:
             return
         replicas = {r.url: r for r in self.select(intake.request.tier)}
         first = swap_waves(list(replicas), lambda url: replicas[url].tier)[0]
         intake.early = [replicas[url] for url in first]
         for r in intake.early:
             r.admitted = False
-            intake.state.note("drain", r.name, f"{r.inflight} in flight; weights streaming")
+            intake.state.note("drain", r.name, f"{r.inflight} in flight; {why}")
 
         async def watchdog() -> None:
             await asyncio.sleep(self.bridge.stream_timeout_s)
@@ -581,7 +582,7 @@ class WeightOrchestrator:
             intake.engines_staged.set()
             if intake.request.mode == "rolling" and intake.state.version and intake.finishing is None:
                 # Every engine is pulling the stream and the version is named: start now rather
-                # than at the trainer's finish. The first wave (out since the stream began) is
+                # than at the trainer's finish. The first wave (out since the push was announced) is
                 # applied at once and loads each tensor as its chunks verify; an engine whose
                 # stream fails fails that apply, which restores N-1. All-at-once still waits for
                 # the finish: its hold must not span the transfer.
@@ -682,10 +683,9 @@ class WeightOrchestrator:
             if len(served) != 1:
                 raise Conflict(f"replicas serve different versions {sorted(served)}; name to_version")
             target = store.previous(served.pop()) or ""
-        # The launch weights never leave disk: store.source reads them from the base model once evicted.
-        if not (target == ENGINE_BASE_VERSION or (target and store.has(target))):
+        source = store.source(target) if target else None
+        if source is None:
             raise Conflict(f"no checkpoint to roll back to (have {store.versions()})", code="no_checkpoint")
-        source = store.source(target)
         state = RolloutState(id=_rollout_id(), kind="rollback", version=gateway_label(target),
                              source="store", mode="rolling",
                              tiers=[request.tier] if request.tier else self.fleet.tiers())
@@ -788,6 +788,10 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
                 or intake.state.state != "awaiting_push" or intake.request.mode != spec.mode
                 or intake.request.version != spec.version):
             intake = await orch.open_push(spec)
+        if spec.version and intake.engines:
+            # A push named up front is announced here, its stream follows at once: the first
+            # wave drains while the trainer opens its sessions, not only once chunks flow.
+            orch.drain_early(intake, "push announced")
         return json_response({**_targets(request, intake), "rollout": intake.state.id,
                               "dtype": await orch.serving_dtype()})
 

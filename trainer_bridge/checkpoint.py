@@ -109,12 +109,13 @@ class CheckpointStore:
         i = versions.index(version)
         return versions[i - 1] if i > 0 else None
 
-    def source(self, version: str) -> Path:
-        """The directory that holds `version`'s weights. The launch weights ("default") never
-        leave disk: once evicted from the store, they are read from the base model."""
-        if version == "default" and not self.has(version):
-            return self.base_model_dir
-        return self.path(version)
+    def source(self, version: str) -> Path | None:
+        """The directory that holds `version`'s weights, or None if nothing does. The launch
+        weights ("default") never leave disk: once evicted from the store, they are read from
+        the base model."""
+        if self.has(version):
+            return self.path(version)
+        return self.base_model_dir if version == "default" else None
 
     def _record(self, version: str, protect: Collection[str] = ()) -> None:
         """Add `version` as the newest, then evict the oldest beyond `keep` (not `protect`ed)."""

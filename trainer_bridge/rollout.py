@@ -342,7 +342,7 @@ class Rollout:
         """Put every replica back on `to_version` (default: the version before the newest)."""
         versions = self.store.versions()
         target = to_version or (versions[-2] if len(versions) >= 2 else None)
-        if target is None or not self.store.has(target):
+        if target is None or self.store.source(target) is None:
             raise RolloutFailed(f"no checkpoint for version {target!r} to roll back to")
         replicas = [r.rstrip("/") for r in self.fleet.replicas()]
         await self._restore(replicas, {r: target for r in replicas})
@@ -398,10 +398,12 @@ class Rollout:
     async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
         for replica in replicas:
             prev = previous[replica]
+            source = self.store.source(prev)
+            if source is None:
+                log.error("rollback of %s to %s impossible: no checkpoint on disk", replica, prev)
+                continue  # leave it out of routing: it serves unknown weights
             try:
-                await asyncio.to_thread(
-                    reload_from_checkpoint, replica, self.store.source(prev), prev
-                )
+                await asyncio.to_thread(reload_from_checkpoint, replica, source, prev)
             except (BridgeError, httpx.HTTPError, ValueError) as exc:
                 log.error("rollback of %s to %s failed: %s", replica, prev, exc)
                 continue  # leave it out of routing: it serves unknown weights
