@@ -209,7 +209,8 @@ class SharedPrefixIndex:
         self.origin = f"{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"
         # A batch's first op names its origin within the message's first bytes (array headers, then
         # the origin string): this gateway's own batches are recognised there, without decoding them.
-        self._own_head = self.origin.encode()
+        # Encoded with its msgpack length header, it cannot match inside another gateway's origin.
+        self._own_head = msgspec.msgpack.encode(self.origin)
         self._pending: list[_Op] = []
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()
