@@ -18,7 +18,7 @@ new requests ("all_at_once": they wait in `Fleet.wait_released`, then are routed
 on the new weights); no engine's live weights change while it serves. The rollout starts once
 every engine has staged; the gateway's checkpoint copy may still be arriving. A rolling update
 whose version was named up front (`weight_targets?version=`, as push() does) starts as soon as
-every engine is pulling the stream: its first wave, out of routing since the push was announced,
+every engine is pulling the stream: its first wave, out of routing since the stream began,
 loads each tensor as its chunks verify. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
@@ -582,7 +582,7 @@ class WeightOrchestrator:
             intake.engines_staged.set()
             if intake.request.mode == "rolling" and intake.state.version and intake.finishing is None:
                 # Every engine is pulling the stream and the version is named: start now rather
-                # than at the trainer's finish. The first wave (out since the push was announced) is
+                # than at the trainer's finish. The first wave (out since the stream began) is
                 # applied at once and loads each tensor as its chunks verify; an engine whose
                 # stream fails fails that apply, which restores N-1. All-at-once still waits for
                 # the finish: its hold must not span the transfer.
