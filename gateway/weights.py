@@ -521,19 +521,18 @@ class WeightOrchestrator:
             raise NotFound(f"rollout {rollout_id!r} has no engine {engine!r}", code="no_rollout")
         return intake
 
-    def drain_early(self, intake: PushIntake, why: str = "weights streaming") -> None:
-        """Rolling: take the first wave out of routing as soon as the push is announced (version
-        named up front) or its weights start streaming, so its in-flight requests finish (on the
-        old weights) during the transfer rather than after it. Put back if the push never turns
-        into a rollout (`readmit_early`)."""
-        if intake.early or intake.request.mode != "rolling" or intake.finishing is not None:
+    def drain_early(self, intake: PushIntake) -> None:
+        """Rolling: take the first wave out of routing as soon as the weights start streaming,
+        so its in-flight requests finish (on the old weights) during the transfer rather than
+        after it. Put back if the push never turns into a rollout (`readmit_early`)."""
+        if intake.early or intake.request.mode != "rolling":
             return
         replicas = {r.url: r for r in self.select(intake.request.tier)}
         first = swap_waves(list(replicas), lambda url: replicas[url].tier)[0]
         intake.early = [replicas[url] for url in first]
         for r in intake.early:
             r.admitted = False
-            intake.state.note("drain", r.name, f"{r.inflight} in flight; {why}")
+            intake.state.note("drain", r.name, f"{r.inflight} in flight; weights streaming")
 
         async def watchdog() -> None:
             await asyncio.sleep(self.bridge.stream_timeout_s)
@@ -788,10 +787,6 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
                 or intake.state.state != "awaiting_push" or intake.request.mode != spec.mode
                 or intake.request.version != spec.version):
             intake = await orch.open_push(spec)
-        if spec.version and intake.engines:
-            # A push named up front is announced here, its stream follows at once: the first
-            # wave drains while the trainer opens its sessions, not only once chunks flow.
-            orch.drain_early(intake, "push announced")
         return json_response({**_targets(request, intake), "rollout": intake.state.id,
                               "dtype": await orch.serving_dtype()})
 
