@@ -78,39 +78,6 @@ def test_stream_lands_every_byte_in_the_preallocated_buffers(receiver):
     assert target.bytes_sent == weights.total_bytes
 
 
-def test_a_slow_target_does_not_pace_the_others():
-    """One serialization feeds every target, but a target that has not read anything yet (a
-    gateway's checkpoint copy in a busy event loop) does not hold the others back: here the
-    slow one starts reading only once the fast one's stream is over and verified."""
-    weights = _weights()  # many 4 KB chunks: far more than one chunk per target
-    layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
-    stagings = {name: StagingArea(layout) for name in ("fast", "slow")}
-    with ChunkSender(chunk_bytes=4096, connect_timeout_s=30) as sender:
-        targets = {name: StreamTarget(token="t") for name in stagings}
-        infos = {name: sender.update_info(weights, t, timeout_s=30) for name, t in targets.items()}
-        errors: list[BaseException] = []
-
-        def receive(name: str) -> None:
-            if name == "slow" and not targets["fast"].done.wait(30):
-                errors.append(AssertionError("the fast target never finished"))
-            try:
-                receive_update(infos[name]["sender"], bytes.fromhex(infos[name]["session"]), "t",
-                               stagings[name], infos[name]["checksum"], 30)
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-
-        threads = [threading.Thread(target=receive, args=(name,)) for name in stagings]
-        for thread in threads:
-            thread.start()
-        sender.stream(weights, list(targets.values()))
-        for thread in threads:
-            thread.join()
-    assert errors == [] and all(t.error is None for t in targets.values())
-    for staging in stagings.values():
-        for entry, (_, tensor) in zip(weights.entries, staging.items()):
-            assert torch.equal(tensor, entry.tensor)
-
-
 def test_registered_pool_is_reused_across_updates():
     pool = StagingPool()
     first, error, _ = _transfer(_weights(), "t", "t", pool=pool)

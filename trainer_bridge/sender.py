@@ -2,10 +2,8 @@
 
 Three stages overlap: a producer thread materializes tensors (device/dtype conversion) and
 checksums fixed-size chunks; one writer thread per engine sends them; the engines receive
-straight into staging buffers and verify. Each writer may lag the producer by up to
-`_QUEUE_BYTES` of payload (at least one chunk), so sender memory is bounded by that, not by the
-model size, and a slow target (a gateway's checkpoint copy, read in its busy event loop) does
-not pace the others within it.
+straight into staging buffers and verify. Each writer's queue holds two chunks (double
+buffering), so sender memory is bounded by the chunk size, not the model size.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from trainer_bridge import wire
 from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
 from trainer_bridge.weights import WeightSet
 
-_QUEUE_BYTES = 64 << 20
+_QUEUE_DEPTH = 2
 _SOCK_BUF = 8 << 20
 
 
@@ -41,9 +39,7 @@ class StreamTarget:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     transport: str = ""  # "shm" (wrote into the engine's staging memory) | "tcp"
-    _queue: queue.Queue = field(default_factory=queue.Queue)
-    _queued: int = 0  # payload bytes in _queue, bounded by _QUEUE_BYTES (see _put)
-    _room: threading.Condition = field(default_factory=threading.Condition)
+    _queue: queue.Queue = field(default_factory=lambda: queue.Queue(_QUEUE_DEPTH))
     _conn: socket.socket | None = None
     _connected: threading.Event = field(default_factory=threading.Event)
     _shm: tuple[memoryview, list[int]] | None = None  # the engine's staging memory, param offsets
@@ -189,15 +185,13 @@ class ChunkSender:
             self._put(t, None)
 
     @staticmethod
-    def _put(target: StreamTarget, item: tuple | None) -> None:
-        size = len(item[2]) if item is not None else 0
-        with target._room:
-            while target._queued and target._queued + size > _QUEUE_BYTES and not target.done.is_set():
-                target._room.wait(0.2)
-            if target.done.is_set():
+    def _put(target: StreamTarget, item: object) -> None:
+        while not target.done.is_set():
+            try:
+                target._queue.put(item, timeout=0.2)
                 return
-            target._queued += size
-        target._queue.put(item)
+            except queue.Full:
+                continue
 
     def _write(self, target: StreamTarget, on_progress: Callable[[int], None] | None) -> None:
         try:
@@ -208,7 +202,6 @@ class ChunkSender:
             shm = target._shm
             while (item := target._queue.get()) is not None:
                 param, offset, payload, crc, seq = item
-                queued = len(payload)
                 in_place = shm is not None and param != wire.END_PARAM
                 header = wire.pack_chunk_header(
                     target.token, target.session, param, offset, len(payload), crc, in_place
@@ -223,9 +216,6 @@ class ChunkSender:
                     conn.sendall(header)  # the engine reads the bytes where they now are
                 else:
                     _send_frame(conn, header, payload)
-                with target._room:
-                    target._queued -= queued
-                    target._room.notify()
                 if len(payload):
                     target.bytes_sent += len(payload)
                     if on_progress is not None:
@@ -244,13 +234,11 @@ class ChunkSender:
             target._shm = None  # unmapped once the last view is gone
             if target._conn is not None:
                 target._conn.close()
-            while True:  # nothing more is sent to this target: let its queued chunks go
+            while True:  # unblock the producer if it is waiting on this queue
                 try:
                     target._queue.get_nowait()
                 except queue.Empty:
                     break
-            with target._room:  # a producer waiting for room sees `done`
-                target._room.notify_all()
 
 
 # Engine staging memory this process has mapped, by path: kept between pushes like a registered
