@@ -425,14 +425,15 @@ def run_phases(target: dict[str, Any], phases: list[dict[str, Any]], pids: list[
 
 # -- the plan ----------------------------------------------------------------------------------------------
 
-def plan(mode: dict[str, Any], sweep_rates: list[float], streams: bool = True) -> list[dict[str, Any]]:
+def plan(mode: dict[str, Any], sweep_rates: list[float], streams: bool = True,
+         rates: tuple[float, ...] = (100, 500, 1000)) -> list[dict[str, Any]]:
     fixed_s = mode["fixed_s"]
     phases: list[dict[str, Any]] = [
         {"name": "warmup", "workload": UNARY_WORKLOAD, "load": {"kind": "concurrency", "concurrency": 8},
          "bounds": {"requests": 300}},
     ]
-    for rate in (100, 500, 1000):
-        phases.append({"name": f"fixed_{rate}", "workload": UNARY_WORKLOAD,
+    for rate in rates:
+        phases.append({"name": f"fixed_{rate:g}", "workload": UNARY_WORKLOAD,
                        "load": {"kind": "poisson", "rate": rate},
                        "bounds": {"requests": None, "duration_s": fixed_s, "timeout_s": 30}})
     for rate in sweep_rates:

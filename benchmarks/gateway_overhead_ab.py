@@ -91,10 +91,7 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, c
             name, _, label = variant.partition("@")
             gateway = go.Yieldgate(f"http://127.0.0.1:{port}", work, name, code[label] if label else go.ROOT)
             url, key, pids = gateway.url, gateway.api_key, [gateway.proc.pid]
-        phases = [{"name": "warmup", "workload": go.UNARY_WORKLOAD,
-                   "load": {"kind": "concurrency", "concurrency": 8}, "bounds": {"requests": 300}},
-                  {"name": f"fixed_{rate:g}", "workload": go.UNARY_WORKLOAD, "load": {"kind": "poisson", "rate": rate},
-                   "bounds": {"requests": None, "duration_s": seconds, "timeout_s": 30}}]
+        phases = go.plan({"fixed_s": seconds}, [], streams=False, rates=(rate,))  # warm-up + one fixed rate
         t0 = time.time()
         rows = go.run_phases(go.target(url, key), phases, pids, work)
         t1 = time.time()
