@@ -24,12 +24,12 @@ from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
 from .metrics import GatewayMetrics
 from .proxy import Proxy
-
-if TYPE_CHECKING:
-    import uvicorn
 from .routing import Routing
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .weights import WeightOrchestrator, build_intake_router
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("yieldgate.gateway")
 _encode = msgspec.json.Encoder().encode
