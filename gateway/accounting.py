@@ -52,6 +52,8 @@ _DEFAULT_LEDGER = LedgerConfig()
 # Chat-template tokens around each message (role markers, separators): an upper bound for ChatML.
 _TEMPLATE_TOKENS_PER_MESSAGE = 8
 _INITIAL_CHARS_PER_TOKEN = 4.0   # until completed requests calibrate it
+# Statuses of a stream that ended without the engine's usage: billed for the tokens relayed.
+_ESTIMATED = ("aborted", "upstream_error")
 REDIS_CONNECTIONS = 32
 
 
@@ -387,7 +389,7 @@ class Accounting:
             if ctx.ttft is not None:
                 batch.observe(rc[2], ctx.ttft)
         estimated = False
-        if usage is None and status == "aborted" and ctx.replica is not None:
+        if usage is None and status in _ESTIMATED and ctx.replica is not None:
             usage = self._estimate_aborted(ctx)
             estimated = True
         priced = PricedUsage()

@@ -286,14 +286,16 @@ class Proxy:
         splitter = EventSplitter()
         usage: Usage | None = None
         status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
+        prev = block = b""   # the last two blocks relayed: where an engine's error event would be
         try:
             async for data in resp.iter_chunks():
                 if ctx.ttft is None:
                     ctx.first_byte()
                     self.routing.release(ctx)
-                block = splitter.feed(data)
-                if not block:
+                got = splitter.feed(data)
+                if not got:
                     continue
+                prev, block = block, got
                 if b'"usage":{' not in block:
                     ctx.chunks += block.count(b"\n\n")
                     yield block
@@ -312,7 +314,15 @@ class Proxy:
             rest = splitter.rest()
             if rest.strip():
                 yield rest
-            status = "ok"
+            if usage is not None:
+                status = "ok"
+            else:
+                # The engine ended the stream without its usage: vLLM ends a generation that failed
+                # with an error event and [DONE]. Billed like an abandoned stream (the tokens
+                # relayed), not as an "ok" with none; the error event and [DONE] are not tokens.
+                tail = prev + block
+                ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
+                status = "upstream_error"
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
             self.fleet.set_health(replica, False)

@@ -1,18 +1,24 @@
 """Faults a gateway meets in production, against a vLLM engine this module starts for itself:
-clients that leave mid-stream, clients that read slowly, and an engine SIGKILLed under load.
+clients that leave mid-stream, clients that read slowly, an engine SIGKILLed under load, and an
+engine whose core process dies mid-stream.
 
-One engine start (~60-90 s here) and one restart for the whole module; the kill test runs last.
+One engine start (~60-90 s here) and one restart for the whole module; the kill tests run last.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import threading
 import time
 import urllib.request
+import uuid
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -413,3 +419,52 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
         "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": f"back {i}"}]}
     ).headers["x-yieldgate-replica"] for i in range(4)}
     assert "chaos-0" in served_by
+
+
+# -- an engine whose core dies mid-stream (runs last: the engine stays dead) ----------------------
+
+def test_engine_core_death_mid_stream_bills_the_relayed_tokens(stack, chaos_engine, gateway_factory, tmp_path):
+    """vLLM's API server outlives its engine core for a moment: a stream then ends with vLLM's own
+    error event and [DONE] but no usage event. The gateway relays them and bills the tokens it
+    relayed (status upstream_error), as for a stream the client abandons, not an "ok" with none."""
+    admin = "chaos-admin-" + secrets.token_hex(4)
+    config = gateway_config(stack, ("chaos-0", chaos_engine.url))
+    config.server.admin_token, config.server.data_dir = admin, str(tmp_path / "data")
+    gw = gateway_factory(config)
+    wait_until(lambda: gw.gateway.fleet.replicas["chaos-0"].healthy, 60, "the replica healthy")
+    group = chaos_engine.launcher.engines[0].process.pid
+    cores = subprocess.run(["pgrep", "-g", str(group), "-f", "VLLM::EngineCor"],
+                           capture_output=True, text=True).stdout.split()
+    assert cores, "no engine core process in the engine's process group"
+    rid = "req-core-death-" + uuid.uuid4().hex
+    events: list[str] = []
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", gw.url + "/v1/chat/completions", headers={"x-request-id": rid}, json={
+                "model": "demo", "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": 4000, "ignore_eos": True, "stream": True}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 10:
+                        for pid in cores:
+                            os.kill(int(pid), signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    assert events[-2].startswith('data: {"error"'), events[-3:]  # vLLM's, relayed as it is
+    assert not any('"usage":{' in e for e in events)
+    # The first event carries only the role; every other one before the error carries tokens.
+    relayed = len(events) - 3
+    assert 9 <= relayed < 4000
+    deadline = time.monotonic() + 30
+    while True:
+        rows = [r for r in csv.DictReader(io.StringIO(httpx.get(
+            gw.url + "/admin/ledger.csv", headers={"authorization": f"Bearer {admin}"}, timeout=30).text))
+            if r["request_id"] == rid]
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["status"] == "upstream_error"
+    assert int(row["completion_tokens"]) == relayed
+    assert int(row["prompt_tokens"]) > 0 and Decimal(row["cost_total"]) > 0

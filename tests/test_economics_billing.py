@@ -165,7 +165,7 @@ def test_abandoned_stream_is_billed_once_as_aborted(econ):
         r = rows[0]
         if not (r["status"] == "ok" and int(r["completion_tokens"]) == 2000):
             break
-    assert r["status"] == "aborted", (r, left_after_ms)
+    assert r["status"] == "aborted", f"left after {left_after_ms:.0f} ms: {r}"
     completion, prompt = int(r["completion_tokens"]), int(r["prompt_tokens"])
     assert 1 <= completion < 2000 and prompt > 0          # tokens relayed so far; prompt estimated
     assert Decimal(r["cost_total"]) == econ.book.cost(
