@@ -524,8 +524,10 @@ class WeightOrchestrator:
     def drain_early(self, intake: PushIntake) -> None:
         """Rolling: take the first wave out of routing as soon as the weights start streaming,
         so its in-flight requests finish (on the old weights) during the transfer rather than
-        after it. Put back if the push never turns into a rollout (`readmit_early`)."""
-        if intake.early or intake.request.mode != "rolling":
+        after it. Put back if the push never turns into a rollout (`readmit_early`). Once the
+        rollout owns the wave (`finishing`), a late stream (the gateway's copy) must not take it
+        out again: it may already be back in routing, with no watchdog left to re-admit it."""
+        if intake.early or intake.finishing is not None or intake.request.mode != "rolling":
             return
         replicas = {r.url: r for r in self.select(intake.request.tier)}
         first = swap_waves(list(replicas), lambda url: replicas[url].tier)[0]
