@@ -397,28 +397,21 @@ def stage(
 
 
 def apply_staged(
-    engine_url: str, session: str, version: str, config: BridgeConfig | None = None,
-    *, check: bool = False,
-) -> tuple[bool, str] | None:
+    engine_url: str, session: str, version: str, config: BridgeConfig | None = None
+) -> None:
     """Load what `stage` left in the engine, commit `version`, reset the prefix cache (KV from
-    the old weights must not be reused). The engine must not be serving meanwhile.
-    `check`: then read its health and committed version on the same connection (what a
-    rollout verifies) -> (healthy, version), without another trip through the caller's loop."""
+    the old weights must not be reused). The engine must not be serving meanwhile."""
     cfg = config or BridgeConfig()
-    with EngineClient(engine_url, cfg.http_timeout_s) as client, ThreadPoolExecutor(1) as pool:
+    with EngineClient(engine_url, cfg.http_timeout_s) as client:
         client.update_weights(
             {"names": [], "dtype_names": [], "shapes": [], "session": session, "phase": "apply",
              "timeout_s": cfg.stream_timeout_s}
         )
         # Independent once the weights are in (the engine is drained): one round trip, not two.
-        reset = pool.submit(client.reset_prefix_cache)
-        client.finish_weight_update(version)
-        reset.result()
-        if not check:
-            return None
-        healthy = pool.submit(client.healthy)
-        served = client.weight_version()
-        return healthy.result(), served
+        with ThreadPoolExecutor(1) as pool:
+            reset = pool.submit(client.reset_prefix_cache)
+            client.finish_weight_update(version)
+            reset.result()
 
 
 def discard_staged(engine_url: str) -> None:

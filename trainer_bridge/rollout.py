@@ -141,7 +141,6 @@ class Rollout:
         self.token = current_token
         self._backends: dict[str, str | None] = {}
         self._sessions: dict[str, str] = {}  # replica -> staged session awaiting its swap
-        self._checked: dict[str, tuple[bool, str]] = {}  # replica -> (healthy, version) read by its apply
         self._saving: asyncio.Future | None = None
         # The new version's checkpoint is written only once it is needed (a reload) or every
         # replica swapped: on 2 cores the write otherwise competes with the swaps for CPU.
@@ -166,7 +165,6 @@ class Rollout:
         self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
         self._saving = None
         self._may_save = asyncio.Event()
-        self._checked = {}
         waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
             if self.mode == "rolling" else []
         # The first wave drains while the preparation below runs: its in-flight requests finish
@@ -368,9 +366,7 @@ class Rollout:
     async def _update(self, replica: str, wset: WeightSet, version: str, token: str) -> str:
         session = self._sessions.pop(replica, None)
         if session is not None:
-            # The apply reads back health and version right after its commit: `_verify` checks those.
-            self._checked[replica] = await asyncio.to_thread(
-                apply_staged, replica, session, version, self.config, check=True)
+            await asyncio.to_thread(apply_staged, replica, session, version, self.config)
             return "push"
         if self._backends.get(replica) == "yieldgate":
             await asyncio.to_thread(
@@ -386,17 +382,13 @@ class Rollout:
 
     async def _verify(self, replica: str, version: str) -> str:
         """-> the version the engine reports (== `version`)."""
-        checked = self._checked.pop(replica, None)
-        if checked is not None:
-            healthy, served = checked
-        else:
-            client = EngineClient(replica, self.config.verify_timeout_s)
-            try:
-                healthy, served = await asyncio.gather(
-                    asyncio.to_thread(client.healthy), asyncio.to_thread(client.weight_version)
-                )
-            finally:
-                client.close()
+        client = EngineClient(replica, self.config.verify_timeout_s)
+        try:
+            healthy, served = await asyncio.gather(
+                asyncio.to_thread(client.healthy), asyncio.to_thread(client.weight_version)
+            )
+        finally:
+            client.close()
         if not healthy:
             raise RolloutFailed("engine unhealthy after update", replica)
         if served != version:
