@@ -6,7 +6,7 @@ The gateway plugs its fleet in through `Fleet` (three methods, plus optional `ti
 Before any replica leaves routing, everything that does not need a drained engine runs at once:
 version lookups, the N-1 checkpoints, push-token rotation, and *staging* the new weights on
 every plugin engine in parallel (streamed and verified into its buffers while it keeps serving);
-the new version's checkpoint is written once every replica swapped (or a reload needs it). Then, per replica (mode "rolling"): take it
+the new version's checkpoint is written meanwhile. Then, per replica (mode "rolling"): take it
 out of routing, drain (in-flight == 0, bounded wait), apply the staged weights (or reload a
 checkpoint for engines without the plugin), reset its prefix cache, verify (health + version +
 optional eval), re-admit. Replicas swap together when every tier keeps a routable replica of
@@ -142,9 +142,6 @@ class Rollout:
         self._backends: dict[str, str | None] = {}
         self._sessions: dict[str, str] = {}  # replica -> staged session awaiting its swap
         self._saving: asyncio.Future | None = None
-        # The new version's checkpoint is written only once it is needed (a reload) or every
-        # replica swapped: on 2 cores the write otherwise competes with the swaps for CPU.
-        self._may_save = asyncio.Event()
 
     async def run(
         self, weights: ModelLike | asyncio.Future, version: str,
@@ -164,7 +161,6 @@ class Rollout:
         wset = WeightSet([]) if pending is not None else _weights(weights, None)
         self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
         self._saving = None
-        self._may_save = asyncio.Event()
         waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
             if self.mode == "rolling" else []
         # The first wave drains while the preparation below runs: its in-flight requests finish
@@ -172,8 +168,8 @@ class Rollout:
         early = {r: asyncio.ensure_future(self._take_out(r)) for r in (waves[0] if waves else [])}
 
         # Nothing below touches what any replica serves, so it all overlaps: rotate the token and
-        # stage the weights on every plugin engine, while the N-1 checkpoints are made sure of.
-        # This version is written to disk (it becomes N-1 for the next rollout) after the swaps.
+        # stage the weights on every plugin engine, while the N-1 checkpoints are made sure of
+        # and this version is written to disk (it becomes N-1 for the next rollout).
         async def checkpoints() -> dict[str, str]:
             known = getattr(self.fleet, "weight_version", None)  # saves a round trip per engine
             found = [known(r) for r in replicas] if known is not None else await asyncio.gather(
@@ -183,7 +179,6 @@ class Rollout:
                 await asyncio.to_thread(self._ensure_checkpoint, prev)
             async def save() -> None:
                 ready = _weights(await pending, None) if pending is not None else wset
-                await self._may_save.wait()
                 # The versions served now stay on disk until this one is through: a failure
                 # restores them from there.
                 await asyncio.to_thread(self.store.save, version, ready.state_dict(),
@@ -324,7 +319,6 @@ class Rollout:
         saving, self._saving = self._saving, None
         if saving is None:
             return  # never started writing it: whatever the store holds under this name stays
-        self._may_save.set()
         if keep:
             try:
                 await saving
@@ -375,7 +369,6 @@ class Rollout:
             )
             return "push"
         if self._saving is not None:
-            self._may_save.set()
             await asyncio.shield(self._saving)  # the reload reads the checkpoint being written
         await asyncio.to_thread(reload_from_checkpoint, replica, self.store.path(version), version)
         return "reload"
