@@ -3,7 +3,9 @@
     POST /admin/weights            start a rollout (source "push" or {"checkpoint": PATH})
     GET  /admin/weights            per-replica versions + the current/last rollout and its timeline
     POST /admin/weights/rollback   every replica back to N-1, rolling, in one call
-    GET  /admin/weight_targets     what `trainer_bridge.push(gateway=URL)` pushes to
+    POST /admin/weights/push       announce a push whose stream is ready: every receiver starts
+                                   pulling it (what `trainer_bridge.push(gateway=URL)` calls)
+    GET  /admin/weight_targets     the engine-shaped intakes to push to, one call at a time
 
 A trainer's push goes through the gateway, never around it: the gateway exposes engine-shaped
 intakes (`/weights/intake/<id>/...`, the same four weight-sync calls vLLM serves). When every
@@ -23,6 +25,13 @@ loads each tensor as its chunks verify. `?direct=1`
 lists the real engines and their push token instead, for trainers that manage engines
 themselves.
 
+`POST /admin/weights/push` is the same push in one trainer round trip instead of four (targets,
+init, start, update, each through a gateway that a busy 2-core host leaves unscheduled for
+tens to hundreds of ms): the trainer opens its chunk server first and sends the stream
+description with the announce; the gateway picks a session per receiver, opens and stages every
+engine and starts its copy, and answers with the sessions and the push token the chunks are
+signed with. The trainer then streams and calls the intake's finish, as before.
+
 Versions: vLLM reports "default" before any update; the gateway labels that "base".
 """
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import secrets
 import time
 from pathlib import Path
@@ -96,6 +106,35 @@ class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
     tier: str | None = None                 # None = every tier
     canary: Canary | None = None
     wait: bool = False                      # checkpoint: answer only once the rollout ended
+
+
+class PushStream(msgspec.Struct, forbid_unknown_fields=True):
+    """What a trainer streams and where from: the update info every receiver of the push gets,
+    less the session (one per receiver, chosen by the gateway)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    sender: Annotated[str, Meta(min_length=3, max_length=300)]  # "host:port" of its chunk server
+    checksum: str = "crc32"
+    timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    extra: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("names, dtype_names and shapes must have the same length")
+        if self.checksum not in wire.CHECKSUMS:
+            raise ValueError(f"unsupported checksum {self.checksum!r}")
+
+
+class PushAnnounce(msgspec.Struct, forbid_unknown_fields=True):
+    """`POST /admin/weights/push`: open (or take up) a push and start every receiver pulling the
+    trainer's stream, in one round trip instead of targets + init + start + update."""
+
+    version: _Version
+    stream: PushStream
+    mode: Literal["rolling", "all_at_once"] = "rolling"
+    tier: str | None = None
 
 
 class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -524,8 +563,10 @@ class WeightOrchestrator:
     def drain_early(self, intake: PushIntake) -> None:
         """Rolling: take the first wave out of routing as soon as the weights start streaming,
         so its in-flight requests finish (on the old weights) during the transfer rather than
-        after it. Put back if the push never turns into a rollout (`readmit_early`)."""
-        if intake.early or intake.request.mode != "rolling":
+        after it. Put back if the push never turns into a rollout (`readmit_early`). Once the
+        rollout owns the wave (`finishing`), a late stream (the gateway's copy) must not take it
+        out again: it may already be back in routing, with no watchdog left to re-admit it."""
+        if intake.early or intake.finishing is not None or intake.request.mode != "rolling":
             return
         replicas = {r.url: r for r in self.select(intake.request.tier)}
         first = swap_waves(list(replicas), lambda url: replicas[url].tier)[0]
@@ -554,24 +595,25 @@ class WeightOrchestrator:
         if not intake.armed:
             raise PushRefused("engine not armed: call /init_weight_transfer_engine with the push token")
         with EngineClient(intake.engines[engine].url, 60.0) as client:
-            try:
-                await asyncio.to_thread(client.start_weight_update)
-            except EngineRequestError as exc:
-                if "already active" not in str(exc):
-                    raise
-                await asyncio.to_thread(client.finish_weight_update)
-                await asyncio.to_thread(client.start_weight_update)
+            await asyncio.to_thread(_start_session, client)
 
-    async def stage_on_engine(self, intake: PushIntake, engine: str, info: dict[str, Any]) -> None:
+    async def stage_on_engine(self, intake: PushIntake, engine: str, info: dict[str, Any],
+                              start: bool = False) -> None:
         """Fan-out: the engine pulls the trainer's stream into its staging buffers and verifies
-        it in the background while it serves (`phase` "stage"); the rollout applies it later."""
+        it in the background while it serves (`phase` "stage"); the rollout applies it later.
+        `start`: open its update session first (`start_on_engine`), on the same connection."""
         if not intake.armed:
             raise PushRefused("engine not armed: call /init_weight_transfer_engine with the push token")
         url = intake.engines[engine].url
         self.drain_early(intake)
         with EngineClient(url, 60.0) as client:
+            def stage() -> None:
+                if start:
+                    _start_session(client)
+                client.update_weights({**info, "phase": "stage"})
+
             try:
-                await asyncio.to_thread(client.update_weights, {**info, "phase": "stage"})
+                await asyncio.to_thread(stage)
             except PushRefused:
                 self._armed.pop(url, None)  # e.g. restarted unarmed: the next push probes and arms it
                 raise
@@ -609,6 +651,55 @@ class WeightOrchestrator:
         intake.state.note("pushed", detail=f"{staging.total_bytes} bytes verified in "
                                            f"{time.perf_counter() - t0:.2f}s")
 
+    def awaiting(self, mode: str, version: str | None) -> PushIntake | None:
+        """The open push a trainer's call takes up: the newest intake, still waiting for its
+        push, for the same mode and version (an admin may have opened it with a canary)."""
+        intake = next(iter(self.intakes.values()), None)
+        if (intake is None or intake.state is not self.current
+                or intake.state.state != "awaiting_push" or intake.request.mode != mode
+                or intake.request.version != version):
+            return None
+        return intake
+
+    async def announce(self, spec: PushAnnounce) -> tuple[PushIntake, dict[str, str]]:
+        """Start a push whose stream the trainer already serves: every fan-out engine opens its
+        update session and stages from the stream, and the gateway's copy starts receiving.
+        -> (intake, receiver -> session: "" is the gateway's copy, else the replica name).
+        The admin credential of the call stands in for the push token's init. Raises if an
+        engine refused; the push is then failed and any early-drained wave re-admitted."""
+        intake = self.awaiting(spec.mode, spec.version) or await self.open_push(
+            WeightsRequest(version=spec.version, mode=spec.mode, tier=spec.tier))
+        intake.armed = True
+        info = msgspec.to_builtins(spec.stream)
+        sessions = {name: os.urandom(wire.SESSION_BYTES).hex() for name in ("", *intake.engines)}
+        self._spawn(self._receive_copy(intake, {**info, "session": sessions[""]}))
+        outcomes = await asyncio.gather(
+            *(self.stage_on_engine(intake, name, {**info, "session": sessions[name]}, start=True)
+              for name in intake.engines),
+            return_exceptions=True)
+        failed = [(name, exc) for name, exc in zip(intake.engines, outcomes)
+                  if isinstance(exc, BaseException)]
+        if failed:
+            for name, exc in failed:
+                self.stage_failure(intake, name, f"{type(exc).__name__}: {exc}")
+            self.readmit_early(intake, "push refused")
+            state = intake.state
+            if state.state == "awaiting_push":  # the trainer gives up on this push
+                state.state, state.reason = "failed", f"staging failed: {intake.stage_failed}"
+                state.finished_at = time.time()
+                state.note("failed", detail=state.reason)
+                self.intakes.pop(state.id, None)
+            raise failed[0][1]
+        return intake, sessions
+
+    async def _receive_copy(self, intake: PushIntake, info: dict[str, Any]) -> None:
+        """The gateway's own copy of an announced push (what the intake's update call does)."""
+        try:
+            await self.receive(intake, info)
+        except Exception as exc:  # noqa: BLE001 - the trainer's stream reports it; the rollout's checkpoint fails
+            intake.state.note("push_failed", "", f"{type(exc).__name__}: {exc}")
+            self.readmit_early(intake, "push failed")
+
     def stage_failure(self, intake: PushIntake, engine: str, reason: str) -> None:
         """A fan-out engine did not stage: a finish call waiting for the others gives up."""
         if engine:
@@ -627,6 +718,13 @@ class WeightOrchestrator:
                 await asyncio.wait_for(intake.engines_staged.wait(), self.bridge.stream_timeout_s)
             except TimeoutError:
                 intake.stage_failed = intake.stage_failed or "engines did not stage in time"
+        elif not intake.engines and intake.finishing is None and intake.staged is None:
+            # Relayed and announced: the trainer's stream to the copy may have ended a moment
+            # before the copy's receive task stored it.
+            try:
+                await asyncio.wait_for(asyncio.shield(intake.copy), self.bridge.stream_timeout_s)
+            except Exception:  # noqa: BLE001 - start_rollout says that nothing verified arrived
+                pass
         if intake.finishing is None:
             self.start_rollout(intake, version)
         else:
@@ -731,6 +829,17 @@ def _backend(url: str) -> str | None:
         return client.transfer_backend()
 
 
+def _start_session(client: EngineClient) -> None:
+    """Open the engine's update session; one an abandoned push left open is ended first."""
+    try:
+        client.start_weight_update()
+    except EngineRequestError as exc:
+        if "already active" not in str(exc):
+            raise
+        client.finish_weight_update()
+        client.start_weight_update()
+
+
 # -- routes ----------------------------------------------------------------------------------------
 
 def _engine_error(exc: Exception) -> Response:
@@ -766,6 +875,24 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
         state = await orch.rollback(spec)
         return json_response({"rollout": state}, 200 if state.state == "succeeded" else 500)
 
+    @router.post("/weights/push")
+    async def weights_push(request: Request) -> Response:
+        spec: PushAnnounce = await decode_body(request, PushAnnounce)
+        if spec.version in RESERVED_VERSIONS:
+            raise InvalidRequest(f"version {spec.version!r} is reserved", param="version")
+        try:
+            intake, sessions = await orch.announce(spec)
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an engine refused or failed: the trainer's error
+            return _engine_error(exc)
+        base = _targets(request, intake)["engines"][0]
+        return json_response({
+            "rollout": intake.state.id, "push_token": intake.token,
+            "targets": [{"url": base + (f"/engine/{name}" if name else ""), "session": session}
+                        for name, session in sessions.items()],
+            "finish": base + "/finish_weight_update"})
+
     @router.get("/weight_targets")
     async def weight_targets(request: Request, direct: bool = False, tier: str | None = None,
                              mode: str = "rolling", version: str | None = None) -> Response:
@@ -781,12 +908,7 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
             raise InvalidRequest(f"invalid weight_targets query: {exc}") from None
         if spec.version in RESERVED_VERSIONS:
             raise InvalidRequest(f"version {spec.version!r} is reserved", param="version")
-        current = orch.current
-        intake = next(iter(orch.intakes.values()), None)
-        if (intake is None or current is None or intake.state is not current
-                or intake.state.state != "awaiting_push" or intake.request.mode != spec.mode
-                or intake.request.version != spec.version):
-            intake = await orch.open_push(spec)
+        intake = orch.awaiting(spec.mode, spec.version) or await orch.open_push(spec)
         return json_response({**_targets(request, intake), "rollout": intake.state.id,
                               "dtype": await orch.serving_dtype()})
 

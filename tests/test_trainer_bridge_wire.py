@@ -78,6 +78,35 @@ def test_stream_lands_every_byte_in_the_preallocated_buffers(receiver):
     assert target.bytes_sent == weights.total_bytes
 
 
+def test_receivers_that_dial_before_the_stream_starts_get_it(receiver):
+    """An announced push: the gateway starts the receivers (sessions of its choosing) before the
+    trainer knows their sessions; their connections wait in the chunk server's backlog."""
+    weights = _weights()
+    layout = [ParamLayout(e.name, e.dtype, e.shape) for e in weights.entries]
+    stagings = [StagingArea(layout) for _ in range(2)]
+    sessions = [bytes([i]) * 16 for i in range(1, 3)]
+    with ChunkSender(chunk_bytes=4096, connect_timeout_s=10) as sender:
+        errors: list[BaseException] = []
+
+        def receive(staging: StagingArea, session: bytes) -> None:
+            try:
+                _receive(receiver, sender.address, session, "t", staging, sender.checksum, 10)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=receive, args=(st, se)) for st, se in zip(stagings, sessions)]
+        for thread in threads:
+            thread.start()
+        threading.Event().wait(0.3)  # both dialled and sent their hello; nobody accepted yet
+        targets = [StreamTarget(token="t", session=se) for se in sessions]
+        sender.stream(weights, targets)
+        for thread in threads:
+            thread.join()
+    assert not errors and all(t.error is None for t in targets)
+    for staging in stagings:
+        assert all(torch.equal(t, e.tensor) for (_, t), e in zip(staging.items(), weights.entries))
+
+
 def test_registered_pool_is_reused_across_updates():
     pool = StagingPool()
     first, error, _ = _transfer(_weights(), "t", "t", pool=pool)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer_bridge import PushFailed, PushFaults, push, write_checkpoint
+from trainer_bridge.push import resolve_gateway_engines
 
 pytestmark = pytest.mark.engine
 
@@ -118,6 +119,7 @@ def test_unauthenticated_rollout_is_refused(stack, admin, story):
     assert resp.status_code == 401
     assert resp.json()["error"]["code"] == "invalid_admin_token"
     assert httpx.get(stack.gateway_url + "/admin/weight_targets").status_code == 401
+    assert httpx.post(stack.gateway_url + "/admin/weights/push", json={}).status_code == 401
     assert versions(admin) == before
     story["base_text"] = complete(stack.gateway_url).json()["choices"][0]["text"]
 
@@ -315,3 +317,47 @@ def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, 
     assert set(versions(admin).values()) == {"base"}
     assert new not in admin.get("/admin/weights").json()["versions"]
     assert snapshot_texts(stack) == base_text
+
+
+def test_push_announce_refuses_a_malformed_stream_without_touching_the_fleet(stack, admin, story):
+    """`POST /admin/weights/push` validates the stream description before any engine is asked:
+    a refused announce opens nothing and takes no replica out of routing."""
+    before = admin.get("/admin/weights").json()
+    stream = {"names": ["a", "b"], "dtype_names": ["bfloat16"], "shapes": [[2], [2]],
+              "sender": "127.0.0.1:9", "checksum": "crc32", "timeout_s": 5}
+    for body in ({"version": "wr-x", "stream": stream},                          # lengths differ
+                 {"version": "base", "stream": {**stream, "dtype_names": ["bfloat16"] * 2}},
+                 {"version": "wr-x", "stream": {**stream, "dtype_names": ["bfloat16"] * 2,
+                                                "checksum": "md5"}},
+                 {"version": "wr-x", "mode": "sometimes", "stream": stream}):
+        resp = admin.post("/admin/weights/push", json=body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+    after = admin.get("/admin/weights").json()
+    assert after["rollout"] == before["rollout"]
+    assert all(r["admitted"] for r in after["replicas"].values())
+    assert set(versions(admin).values()) == {"base"}
+
+
+def test_engine_shaped_intakes_still_take_a_push(stack, admin, story, base_weights):
+    """The one-call announce is what push(gateway=) uses; trainers that speak vLLM's four
+    weight-sync calls still push through the intakes `weight_targets` lists (init, start,
+    update, finish on each), and the rollout lands the same way."""
+    version = "wr-intakes"
+    engines, token, dtype = resolve_gateway_engines(stack.gateway_url, stack.admin_token,
+                                                    "rolling", version)
+    assert len(engines) == len(stack.engines) + 1 and all("/weights/intake/" in e for e in engines)
+    report = push(perturbed(base_weights, 6), version, engines=engines, token=token, dtype=dtype,
+                  progress=False)
+    assert report.version == version
+    state = admin.get("/admin/weights").json()["rollout"]
+    assert state["state"] == "succeeded" and state["version"] == version, state.get("reason")
+    events = [e["event"] for e in state["timeline"]]
+    assert events.count("staging") == len(stack.engines)
+    assert events.count("admitted") == len(stack.engines)
+    assert set(versions(admin).values()) == {version}
+    resp = complete(stack.gateway_url)
+    assert resp.headers["x-yieldgate-weight-version"] == version
+    rolled_back = admin.post("/admin/weights/rollback", json={"to_version": "base"})
+    assert rolled_back.status_code == 200, rolled_back.text
+    assert set(versions(admin).values()) == {"base"}

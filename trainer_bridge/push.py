@@ -6,6 +6,10 @@ For each engine: arm (`/init_weight_transfer_engine` with the push token), `/sta
 `/update_weights` (blocks while the engine pulls chunks from our chunk server), then
 `/finish_weight_update` with the version and `/reset_prefix_cache` (KV computed by the old weights
 must not be reused). Engines are served in parallel from one serialization of the weights.
+
+Through a gateway (`gateway=URL`): one announce (`POST /admin/weights/push` with the stream
+description; the gateway starts every receiver pulling), the stream, one finish that answers
+when the gateway's rollout ended.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.engine_client import EngineClient, tls_context
-from trainer_bridge.errors import BridgeError, PushFailed
+from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, PushRefused
 from trainer_bridge.sender import ChunkSender, StreamTarget
 from trainer_bridge.weights import WeightSet
 
@@ -55,10 +59,13 @@ class PushFaults(msgspec.Struct, frozen=True, kw_only=True):
     delay_s: float = 0.0
     only: Callable[[str], bool] | None = None
 
-    def stream_target(self, url: str, token: str) -> StreamTarget:
+    def stream_target(self, url: str, token: str, session: bytes | None = None) -> StreamTarget:
         hit = self.only is None or self.only(url)
-        return StreamTarget(token=token, corrupt_chunk=self.corrupt_chunk if hit else None,
-                            corrupt_delay_s=self.delay_s)
+        target = StreamTarget(token=token, corrupt_chunk=self.corrupt_chunk if hit else None,
+                              corrupt_delay_s=self.delay_s)
+        if session is not None:
+            target.session = session
+        return target
 
 
 class _Streamed(msgspec.Struct):
@@ -80,7 +87,8 @@ def resolve_gateway_engines(
     gateway: str, admin_token: str | None, mode: str = "rolling", version: str | None = None
 ) -> tuple[list[str], str | None, torch.dtype | None]:
     """Ask the gateway which engines take pushes, which push token is current and which dtype
-    the fleet serves (saves the trainer a /server_info round trip).
+    the fleet serves (saves the trainer a /server_info round trip). push(gateway=URL) asks this
+    only for the dtype, when it was not given; it announces the push itself in one call.
 
     Contract (gateway side): `GET /admin/weight_targets?mode=rolling|all_at_once[&version=V]` ->
     {"engines": [url...], "push_token": str, "dtype": "bfloat16" | null}. With the version
@@ -132,6 +140,13 @@ def push(
     if draft and gateway is not None:
         raise ValueError("draft pushes go to engines directly (engines=[...]); the gateway "
                          "rolls out served models only")
+    if gateway is not None and not engines:
+        if dtype is None and not isinstance(model_or_state_dict, WeightSet):
+            # The announce describes the stream, so the dtype is needed first (one more round
+            # trip; pass dtype= to save it). The intake this opens is taken up by the announce.
+            dtype = resolve_gateway_engines(gateway, token, mode, version)[2]
+        return _push_through_gateway(_weights(model_or_state_dict, dtype), version, gateway,
+                                     token, mode, cfg, progress, faults or PushFaults())
     if gateway is not None:
         listed, gateway_token, served_dtype = resolve_gateway_engines(gateway, token, mode, version)
         engines = list(engines or []) + listed
@@ -186,6 +201,80 @@ def _push(
         transfer_seconds=streamed.transfer_seconds,
         transports=streamed.transports,
     )
+
+
+def _push_through_gateway(
+    weights: WeightSet,
+    version: str,
+    gateway: str,
+    admin_token: str | None,
+    mode: str,
+    cfg: BridgeConfig,
+    progress: bool,
+    faults: PushFaults,
+) -> PushReport:
+    """One announce (`POST /admin/weights/push`: the gateway opens the push, starts every engine
+    staging from our chunk server and its own copy receiving), the stream, one finish (answers
+    once the rollout ended). The engines dial the chunk server before we know their sessions:
+    their connections wait in its listen backlog until `stream` accepts them."""
+    started = time.perf_counter()
+    base = gateway.rstrip("/")
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    failures: dict[str, BaseException] = {}
+    with ChunkSender(
+        cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s,
+        cfg.shared_memory,
+    ) as sender, httpx.Client(timeout=cfg.http_timeout_s, headers=headers,
+                              verify=tls_context()) as http:
+        stream = {**weights.metadata(), "sender": sender.address, "checksum": cfg.checksum,
+                  "timeout_s": cfg.stream_timeout_s,
+                  **({} if cfg.pipeline_load else {"extra": {"pipeline": False}})}
+        resp = http.post(base + "/admin/weights/push",
+                         json={"version": version, "mode": mode, "stream": stream})
+        if resp.status_code >= 400:
+            raise PushFailed({base: _gateway_error(base + "/admin/weights/push", resp)})
+        body = resp.json()
+        targets = {t["url"]: faults.stream_target(t["url"], body["push_token"],
+                                                  bytes.fromhex(t["session"]))
+                   for t in body["targets"]}
+        bar = _progress_bar(weights.total_bytes * len(targets), version) if progress else None
+        lock = threading.Lock()
+
+        def tick(n: int) -> None:
+            with lock:  # one writer thread per receiver
+                bar.update(n)
+
+        transfer_started = time.perf_counter()
+        sender.stream(weights, list(targets.values()), tick if bar is not None else None)
+        transfer_seconds = time.perf_counter() - transfer_started
+        if bar is not None:
+            bar.close()
+        failures = {url: t.error for url, t in targets.items() if t.error is not None}
+        if len(failures) < len(targets):
+            # Some receivers verified their stream: the gateway decides (a rolling update named
+            # up front is running already; a failed engine fails its apply and restores N-1).
+            done = http.post(body["finish"], json={"weight_version": version})
+            if done.status_code >= 400:
+                error = _gateway_error(body["finish"], done)
+                failures.update({url: error for url in targets if url not in failures})
+    if failures:
+        raise PushFailed(failures)
+    return PushReport(
+        version=version,
+        engines=list(targets),
+        tensors=len(weights.entries),
+        bytes_per_engine=weights.total_bytes,
+        seconds=time.perf_counter() - started,
+        transfer_seconds=transfer_seconds,
+        transports={url: t.transport for url, t in targets.items() if t.transport},
+    )
+
+
+def _gateway_error(url: str, resp: httpx.Response) -> BridgeError:
+    """The gateway's answer as the error an engine would have raised (refusals stay refusals)."""
+    if resp.status_code in (401, 403) or "push_refused" in resp.text:
+        return PushRefused(f"{url}: {resp.text[:300]}")
+    return EngineRequestError(url, resp.status_code, resp.text)
 
 
 def _stream(
