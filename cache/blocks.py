@@ -55,8 +55,9 @@ def _sha256_cbor(obj: Any) -> bytes:
 _ALGOS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
 
 
-def _packed(token_ids: Sequence[int]) -> bytes | None:
-    """Token ids as little int32s (one C call, ~6 µs for 600 ids); None if one does not fit."""
+def pack_tokens(token_ids: Sequence[int]) -> bytes | None:
+    """Token ids as little-endian int32s (one C call, ~6 µs for 600 ids); None if one does not fit.
+    Pack a prompt once and hand the bytes to every consumer (block hasher, cache advisor)."""
     try:
         return struct.pack(f"<{len(token_ids)}i", *token_ids)
     except (struct.error, TypeError):
@@ -86,16 +87,18 @@ class BlockHasher:
         seed = config.hash_seed if config.hash_seed is not None else DEFAULT_NONE_HASH_SEED
         self.none_hash: bytes = self._hash(seed)
         self._as_int = config.external_format == "int64"
-        self._memo: dict[bytes | tuple[bytes, tuple[int, ...]], bytes] = {}
+        # (parent, block) -> (digest, external hash): a hit needs no int conversion either.
+        self._memo: dict[bytes | tuple[bytes, tuple[int, ...]], tuple[bytes, BlockHash]] = {}
 
-    def digests(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Full internal digests, one per full block (the chain the engine keeps)."""
-        out: list[bytes] = []
+    def _chain(self, token_ids: Sequence[int], packed: bytes | None, part: int) -> list[Any]:
+        """Part `part` of (digest, external hash) of every full block; `packed` = pack_tokens(token_ids)."""
+        out: list[Any] = []
         parent = self.none_hash
         bs = self.block_size
         h = self._hash
         memo = self._memo
-        packed = _packed(token_ids)
+        if packed is None:
+            packed = pack_tokens(token_ids)
         for start in range(0, len(token_ids) - bs + 1, bs):
             # Shared prefixes repeat the same (parent, block) pairs: a dict lookup is ~10x cheaper
             # than pickling and hashing the block again. Keys are bytes, which the garbage collector
@@ -103,21 +106,24 @@ class BlockHasher:
             key: bytes | tuple[bytes, tuple[int, ...]] = (
                 parent + packed[4 * start:4 * (start + bs)] if packed is not None
                 else (parent, tuple(token_ids[start:start + bs])))
-            digest = memo.get(key)
-            if digest is None:
+            hit = memo.get(key)
+            if hit is None:
                 digest = h((parent, tuple(token_ids[start:start + bs]), None))
                 if len(memo) >= _MEMO_MAX_BLOCKS:
                     drop_oldest(memo, _MEMO_MAX_BLOCKS // 16)
-                memo[key] = digest
-            parent = digest
-            out.append(parent)
+                hit = memo[key] = (digest, self.external(digest))
+            parent = hit[0]
+            out.append(hit[part])
         return out
+
+    def digests(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[bytes]:
+        """Full internal digests, one per full block (the chain the engine keeps)."""
+        return self._chain(token_ids, packed, 0)
 
     def external(self, digest: bytes) -> BlockHash:
         return int.from_bytes(digest, "big") & _LOW64 if self._as_int else digest
 
-    def hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """External hashes (what BlockStored.block_hashes carries) for each full block."""
-        if self._as_int:
-            return [int.from_bytes(d, "big") & _LOW64 for d in self.digests(token_ids)]
-        return list(self.digests(token_ids))
+    def hashes(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[BlockHash]:
+        """External hashes (what BlockStored.block_hashes carries) for each full block;
+        `packed` = pack_tokens(token_ids) when the caller already has it."""
+        return self._chain(token_ids, packed, 1)

@@ -64,7 +64,7 @@ def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(m
         assert len(hasher._memo) <= 64
     newest = prompts[-1]
     assert hasher.hashes(newest) == engine_chain(newest)
-    packed_last = cache.blocks._packed(newest[7 * 32:8 * 32])
+    packed_last = cache.blocks.pack_tokens(newest[7 * 32:8 * 32])
     assert any(k.endswith(packed_last) for k in hasher._memo)  # the newest blocks stayed
 
 
