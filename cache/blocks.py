@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import pickle
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -90,9 +90,9 @@ class BlockHasher:
         # (parent, block) -> (digest, external hash): a hit needs no int conversion either.
         self._memo: dict[bytes | tuple[bytes, tuple[int, ...]], tuple[bytes, BlockHash]] = {}
 
-    def _chain(self, token_ids: Sequence[int], packed: bytes | None, part: int) -> Iterator[Any]:
-        """Part `part` of (digest, external hash) of every full block, block by block as asked for;
-        `packed` = pack_tokens(token_ids) if known."""
+    def _chain(self, token_ids: Sequence[int], packed: bytes | None, part: int) -> list[Any]:
+        """Part `part` of (digest, external hash) of every full block; `packed` = pack_tokens(token_ids)."""
+        out: list[Any] = []
         parent = self.none_hash
         bs = self.block_size
         h = self._hash
@@ -113,11 +113,12 @@ class BlockHasher:
                     drop_oldest(memo, _MEMO_MAX_BLOCKS // 16)
                 hit = memo[key] = (digest, self.external(digest))
             parent = hit[0]
-            yield hit[part]
+            out.append(hit[part])
+        return out
 
     def digests(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[bytes]:
         """Full internal digests, one per full block (the chain the engine keeps)."""
-        return list(self._chain(token_ids, packed, 0))
+        return self._chain(token_ids, packed, 0)
 
     def external(self, digest: bytes) -> BlockHash:
         return int.from_bytes(digest, "big") & _LOW64 if self._as_int else digest
@@ -125,8 +126,4 @@ class BlockHasher:
     def hashes(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[BlockHash]:
         """External hashes (what BlockStored.block_hashes carries) for each full block;
         `packed` = pack_tokens(token_ids) when the caller already has it."""
-        return list(self._chain(token_ids, packed, 1))
-
-    def iter_hashes(self, token_ids: Sequence[int], packed: bytes | None = None) -> Iterator[BlockHash]:
-        """hashes(), one block at a time: a router can stop where matching stops and finish later."""
         return self._chain(token_ids, packed, 1)

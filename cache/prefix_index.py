@@ -166,10 +166,6 @@ class PrefixIndex:
         lru = self._blocks.get(replica)
         return lru is not None and block_hash in lru
 
-    def held(self, block_hash: BlockHash) -> bool:
-        """Whether any replica holds the block: past the first block none holds, match() counts nothing."""
-        return any(block_hash in lru for lru in self._blocks.values())
-
     def blocks(self, replica: str) -> list[BlockHash]:
         """Oldest first."""
         return list(self._blocks.get(replica, ()))
@@ -321,9 +317,6 @@ class SharedPrefixIndex:
 
     def holds(self, replica: str, block_hash: BlockHash) -> bool:
         return self.local.holds(replica, block_hash)
-
-    def held(self, block_hash: BlockHash) -> bool:
-        return self.local.held(block_hash)
 
     def blocks(self, replica: str) -> list[BlockHash]:
         return self.local.blocks(replica)

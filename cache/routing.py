@@ -71,11 +71,10 @@ class RouterConfig(msgspec.Struct, frozen=True):
 class RouteDecision(msgspec.Struct):
     replica: Any  # the chosen Candidate
     predicted_cached_tokens: int
-    block_hashes: list[BlockHash]  # as far as matching needed them until observe() hashes the rest
+    block_hashes: list[BlockHash]
     policy: str
     scores: dict[str, float] = {}
     pending_blocks: int = 0  # prefill this request adds to its replica until release()
-    unhashed: Any = None  # Iterator over the rest of the chain, consumed by observe()
 
 
 class Policy:
@@ -151,23 +150,12 @@ class Router:
         if not candidates:
             raise NoCandidates("no replica available")
         hashes: list[BlockHash] = []
-        unhashed = None
-        blocks = 0
         matches: dict[str, int] = {}
         if self.policy.needs_tokens:
             if request.block_hashes is not None:
                 hashes = list(request.block_hashes)
-                blocks = len(hashes)
             elif request.token_ids is not None:
-                blocks = len(request.token_ids) // self.block_size
-                # The chain up to its first block no replica holds: no match goes past it. The rest
-                # is hashed by observe(), once the request is on its way to the engine.
-                unhashed = self.hasher.iter_hashes(request.token_ids, request.packed_ids)
-                held = self.index.held if self.index is not None else None
-                for h in unhashed:
-                    hashes.append(h)
-                    if held is None or not held(h):
-                        break
+                hashes = self.hasher.hashes(request.token_ids, request.packed_ids)
             if self.index is not None:
                 self._sync_capacity(candidates)
                 if hashes:
@@ -175,15 +163,14 @@ class Router:
         ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
                            matches=matches, loads={c.name: load_of(c) for c in candidates},
                            recent=self.recent.snapshot([c.name for c in candidates]),
-                           pending={c.name: self._pending(c) for c in candidates}, full_blocks=blocks)
+                           pending={c.name: self._pending(c) for c in candidates})
         chosen, scores = self.policy.choose(ctx, candidates)
         self.recent.add(chosen.name, len(candidates))
-        pending = blocks + 1 - matches.get(chosen.name, 0) if blocks else 0
+        pending = len(hashes) + 1 - matches.get(chosen.name, 0) if hashes else 0
         if pending:
             self.pending[chosen.name] = self.pending.get(chosen.name, 0.0) + pending
         return RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
-                             block_hashes=hashes, policy=self.policy.name, scores=scores, pending_blocks=pending,
-                             unhashed=unhashed)
+                             block_hashes=hashes, policy=self.policy.name, scores=scores, pending_blocks=pending)
 
     def _pending(self, c: Candidate) -> float:
         if c.inflight <= 0 and self.pending.get(c.name):
@@ -199,11 +186,7 @@ class Router:
             decision.pending_blocks = 0
 
     def observe(self, decision: RouteDecision) -> None:
-        """Hash the rest of the decision's blocks and record that they now live (approximately) on its
-        replica. Call it once the request is sent: the engine need not wait for this work."""
-        if decision.unhashed is not None:
-            decision.block_hashes.extend(decision.unhashed)
-            decision.unhashed = None
+        """Record that the decision's blocks now live (approximately) on its replica."""
         if self.index is not None and decision.block_hashes:
             self.index.record(decision.replica.name, decision.block_hashes)
 

@@ -45,18 +45,12 @@ class RouteContext(msgspec.Struct):
     """Everything scorers may read about one routing decision."""
 
     request: RouteRequest
-    block_hashes: list[BlockHash]  # the chain as far as matching needs it (see `blocks`)
+    block_hashes: list[BlockHash]
     block_size: int
     matches: dict[str, int]  # replica -> cached leading blocks (from the prefix index)
     loads: dict[str, float]
     recent: dict[str, float] = {}  # replica -> decayed count of this router's recent picks
     pending: dict[str, float] = {}  # replica -> prefill blocks routed there, first token not back yet
-    full_blocks: int | None = None  # the request's full blocks; None: len(block_hashes)
-
-    @property
-    def blocks(self) -> int:
-        """The request's full blocks, hashed or not yet (the router hashes past the match later)."""
-        return len(self.block_hashes) if self.full_blocks is None else self.full_blocks
 
 
 class RecentPicks:
@@ -148,7 +142,7 @@ class PrefixCacheScorer:
     """Fraction of the request's full blocks already cached on the replica."""
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
-        n = ctx.blocks
+        n = len(ctx.block_hashes)
         return {c.name: (ctx.matches.get(c.name, 0) / n if n else 0.0) for c in candidates}
 
 
@@ -188,7 +182,7 @@ class KVCostScorer:
 
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
         # Partial last block is always computed: count it so short prompts still weigh load.
-        total = ctx.blocks + 1
+        total = len(ctx.block_hashes) + 1
         out = {}
         mean = sum(ctx.recent.values()) / len(ctx.recent) if ctx.recent and self.share_weight else 0.0
         for c in candidates:

@@ -9,7 +9,6 @@ as they arrive; only the final usage event is decoded and rewritten (cost, tier,
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -182,13 +181,12 @@ class Proxy:
             ctx.bind(replica, decision.predicted_cached_tokens)
             ctx.decision = decision
             replica.inflight += 1
+            # Record the placement now, not when the engine answers: requests routed meanwhile
+            # should already see this prefix on this replica.
+            self.routing.observe(ctx, decision)
             try:
-                # Record the placement as soon as the request is written, before any await: requests
-                # routed meanwhile see this prefix on this replica, and the engine does not wait for
-                # the hashing of blocks past the match.
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
-                                                b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"),
-                                                unawaited=functools.partial(self.routing.observe, ctx, decision))
+                                                b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
                 return replica, resp
             except _RETRYABLE as exc:
                 replica.inflight -= 1

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import ssl
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import httptools
@@ -310,24 +310,16 @@ class UpstreamPool:
     def open(self) -> int:
         return len(self._all)
 
-    async def post(self, endpoint: Endpoint, body: bytes, headers: bytes = b"",
-                   unawaited: Callable[[], None] | None = None) -> UpstreamResponse:
+    async def post(self, endpoint: Endpoint, body: bytes, headers: bytes = b"") -> UpstreamResponse:
         """Send `body` (JSON) and wait for the answer's status line and headers. `headers` are
-        extra raw header lines, each ending in CRLF. `unawaited` runs once, with no await between
-        the caller and it: right after the request is written (work the engine need not wait for),
-        or before connecting if there is no idle connection."""
+        extra raw header lines, each ending in CRLF."""
         head = b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n" % (
             endpoint.head, len(body), headers)
         conn = self._take(endpoint)
         if conn is None:
-            if unawaited is not None:
-                unawaited, run = None, unawaited
-                run()
             conn = await self._connect(endpoint)
         resp = conn.send(head, body)
         try:
-            if unawaited is not None:
-                unawaited()
             while not conn._headers_done:
                 if resp._error is not None:
                     raise resp._error

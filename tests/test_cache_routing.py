@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
 import hashlib
 import pickle
@@ -68,28 +67,6 @@ def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(m
     packed_last = cache.blocks.pack_tokens(newest[7 * 32:8 * 32])
     assert any(k.endswith(packed_last) for k in hasher._memo)  # the newest blocks stayed
 
-
-
-def test_blocks_past_the_match_are_hashed_by_observe_with_the_same_decision() -> None:
-    """pick() hashes up to the first block no replica holds; observe() hashes the rest before it
-    records them. Scores, prediction and pending blocks are those of routing on the whole chain."""
-    index = PrefixIndex()
-    lazy = Router("cache_aware", index, block_size=32)
-    fleet = [Replica("a"), Replica("b")]
-    warm = lazy.pick(RouteRequest(token_ids=tokens(1, 4)), fleet)
-    assert len(warm.block_hashes) == 1  # nothing held anywhere: the first block decides
-    lazy.observe(warm)
-    lazy.release(warm)
-    ids = tokens(1, 4) + tokens(2, 6)
-    full = engine_chain(ids)
-    eager = copy.deepcopy(lazy)  # the same state, given the whole chain
-    whole = eager.pick(RouteRequest(block_hashes=full), fleet)
-    d = lazy.pick(RouteRequest(token_ids=ids), fleet)
-    assert d.block_hashes == full[:5]  # 4 held blocks and the first new one
-    assert d.predicted_cached_tokens == whole.predicted_cached_tokens == 4 * 32
-    assert (d.replica.name, d.scores, d.pending_blocks) == (whole.replica.name, whole.scores, 10 + 1 - 4)
-    lazy.observe(d)
-    assert d.block_hashes == full and index.match(full) == {d.replica.name: 10}
 
 def test_prefix_routed_twice_lands_on_same_replica() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)

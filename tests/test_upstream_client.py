@@ -79,23 +79,6 @@ async def test_unary_answers_reuse_one_connection():
         await pool.close()
 
 
-
-async def test_unawaited_work_runs_once_the_request_is_written_or_before_a_connect():
-    async with Server(_fixed) as server:
-        pool = UpstreamPool()
-        seen: list[tuple[int, int, int]] = []  # (connections open, lent to a response, requests served)
-        unawaited = lambda: seen.append((pool.open, pool.in_use, len(server.requests)))  # noqa: E731
-        for i in range(2):
-            resp = await pool.post(server.endpoint(), b'{"n":%d}' % i, unawaited=unawaited)
-            assert await resp.read() == b'{"n":%d}' % i
-            resp.release()
-        # No idle connection: before connecting. Then on the reused one: the request written (the
-        # connection lent to its response), its answer not awaited yet (the server has not read it).
-        assert seen == [(0, 0, 0), (1, 1, 1)]
-        assert server.connections == 1 and pool.in_use == 0
-        await pool.close()
-
-
 async def test_chunked_stream_arrives_piece_by_piece():
     async with Server(_chunked) as server:
         pool = UpstreamPool()
