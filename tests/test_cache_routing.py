@@ -51,6 +51,7 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
         assert hasher.hashes(ids) == engine_chain(ids)
         assert hasher.hashes(ids) == engine_chain(ids)
     assert not any(gc.is_tracked(k) for k in hasher._memo if isinstance(k, bytes))
+    assert not any(gc.is_tracked(v) for v in hasher._memo.values())  # kept per new block: untracked
     assert sum(isinstance(k, bytes) for k in hasher._memo) >= 8
 
 
