@@ -4,7 +4,7 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 ``router.pick(RouteRequest(...), replicas)``, send, ``router.observe(decision)``.
 """
 
-from cache.blocks import BlockHash, BlockHashConfig, BlockHasher
+from cache.blocks import BlockHash, BlockHashConfig, BlockHasher, pack_tokens
 from cache.chat_template import ChatTemplate, ChatTemplateError
 from cache.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
@@ -23,5 +23,5 @@ __all__ = [
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
     "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
-    "rendezvous",
+    "pack_tokens", "rendezvous",
 ]

@@ -36,6 +36,7 @@ def load_of(c: Candidate) -> float:
 
 class RouteRequest(msgspec.Struct):
     token_ids: list[int] | None = None
+    packed_ids: bytes | None = None  # cache.blocks.pack_tokens(token_ids), when the caller packed them
     block_hashes: list[BlockHash] | None = None
     session_id: str | None = None
 

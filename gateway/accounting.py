@@ -89,6 +89,7 @@ class RequestContext:
     max_tokens: int | None = None
     typed: Any = None                       # the validated request (prompt size estimates)
     prompt_tokens: list[int] | None = None  # set by routing when it tokenized the prompt
+    prompt_packed: bytes | None = None      # the same ids as little-endian int32s (cache.blocks.pack_tokens)
     route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
     decision: Any = None  # cache.RouteDecision of the current try (released by gateway.routing)
     replica: Replica | None = None
@@ -419,7 +420,7 @@ class Accounting:
         # of a key's requests share one slot, so sample those (diagnosing a 600-token prompt costs ~80 µs).
         if ctx.prompt_tokens and (ctx.session_id or next(self._advisor_sample) % ADVISOR_SAMPLE == 0):
             loop.call_soon(self.advisor.observe, key.id if key else "anonymous", ctx.session_id or None,
-                           ctx.prompt_tokens)
+                           ctx.prompt_packed or ctx.prompt_tokens)
         ctx.cost_header = cost.header_value()
         return {} if estimated else {"cost": cost.to_wire()}
 

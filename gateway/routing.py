@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
-                   Router, RouterConfig, SharedPrefixIndex, Tokenizer)
+                   Router, RouterConfig, SharedPrefixIndex, Tokenizer, pack_tokens)
 from serving.config import TierConfig
 from serving.fleet import Fleet, Replica
 
@@ -94,6 +94,9 @@ class Routing:
             tokens = self._tokenize(ctx.kind, raw)
             ctx.prompt_tokens = tokens
             request.token_ids = tokens
+            if tokens:
+                # Packed once: the block hasher and the cache advisor both read these bytes.
+                ctx.prompt_packed = request.packed_ids = pack_tokens(tokens)
         return request
 
     def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:

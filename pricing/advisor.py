@@ -31,7 +31,7 @@ _MUL = np.uint64(0x100000001B3)  # FNV prime: mixes the tokens of a window
 def as_tokens(seq: Sequence[Hashable] | np.ndarray) -> np.ndarray:
     """A prompt as an int64 array (token ids as they are; anything else by its hash)."""
     if isinstance(seq, np.ndarray):
-        return seq
+        return seq if seq.dtype == np.int64 else seq.astype(np.int64)
     try:
         return np.array(seq, dtype=np.int64)
     except (OverflowError, TypeError, ValueError):  # block content hashes, strings...
@@ -176,13 +176,21 @@ class CacheAdvisor:
                                 tuple[Sequence[Hashable] | np.ndarray, np.ndarray | None]] = OrderedDict()
         self._reports: OrderedDict[str, KeyCacheReport] = OrderedDict()
 
-    def observe(self, key_id: str, session_id: str | None, prompt: Sequence[Hashable]) -> Divergence | None:
-        """Feed one request's prompt; returns the diagnosis against the session's previous prompt."""
+    def observe(self, key_id: str, session_id: str | None,
+                prompt: Sequence[Hashable] | np.ndarray | bytes) -> Divergence | None:
+        """Feed one request's prompt; returns the diagnosis against the session's previous prompt.
+        `prompt`: token ids, an array of them, or the ids packed as little-endian int32s
+        (cache.blocks.pack_tokens: the gateway packs each prompt once, for block hashing too)."""
         # Packed, not a tuple, until the session sends another prompt (most sessions are one request):
         # the collector walked every int of every kept tuple once before it stopped tracking it, so
         # 10,000 kept 600-token prompts made young-generation passes of ~100 ms (the gateway's p99).
-        head: Sequence[Hashable] | np.ndarray = (
-            prompt[:self.max_tokens] if isinstance(prompt, np.ndarray) else _kept(prompt[:self.max_tokens]))
+        if isinstance(prompt, bytes):  # a view of the caller's bytes, widened only if compared
+            prompt = np.frombuffer(prompt, dtype="<i4")
+        head: Sequence[Hashable] | np.ndarray
+        if isinstance(prompt, np.ndarray):  # a long prompt's head is copied: a view would keep it all
+            head = prompt if len(prompt) <= self.max_tokens else prompt[:self.max_tokens].copy()
+        else:
+            head = _kept(prompt[:self.max_tokens])
         sk = (key_id, session_id or "")
         prev = self._last.pop(sk, None)
         self._last[sk] = (head, None)

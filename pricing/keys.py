@@ -58,7 +58,8 @@ class KeyStore:
         self.cache_ttl_s = cache_ttl_s
         self.on_redis_error = on_redis_error
         self._clock = clock
-        self._cache: dict[str, tuple[float, ApiKey, str]] = {}  # id -> (fetched_at, key, digest)
+        # id -> (fetched_at, key, digest, the secret last verified against that digest or b"")
+        self._cache: dict[str, tuple[float, ApiKey, str, bytes]] = {}
 
     @classmethod
     def from_config(cls, config: LimitsConfig, redis: aioredis.Redis | None = None) -> KeyStore:
@@ -113,9 +114,14 @@ class KeyStore:
         if not secret.startswith(SECRET_PREFIX):
             raise InvalidApiKey("malformed API key")
         key_id = secret[len(SECRET_PREFIX):].split("-", 1)[0]
-        presented = self.digest(secret)
         cached = self._cache.get(key_id)
-        if cached is None or self._clock() - cached[0] > self.cache_ttl_s:
+        fresh = cached is not None and self._clock() - cached[0] <= self.cache_ttl_s
+        raw = secret.encode()
+        if fresh and cached[3] and hmac.compare_digest(cached[3], raw):  # type: ignore[index]
+            # The secret this entry's digest already matched: no HMAC (~15 µs in a busy gateway).
+            return self._active(cached[1])  # type: ignore[index]
+        presented = self.digest(secret)
+        if not fresh:
             try:
                 doc, stored = await self.redis.hmget(self._k(key_id), ["doc", "hash"])
             except (RedisError, OSError) as e:
@@ -127,14 +133,22 @@ class KeyStore:
                 raise InvalidApiKey("unknown API key")
             if len(self._cache) > 100_000:
                 self._cache.clear()  # bound memory under key-id spraying
-            cached = (self._clock(), msgspec.json.decode(doc, type=ApiKey), stored.decode())
+            cached = (self._clock(), msgspec.json.decode(doc, type=ApiKey), stored.decode(), b"")
             self._cache[key_id] = cached
-        return self._check(cached[1], cached[2], presented)
+        assert cached is not None
+        key = self._check(cached[1], cached[2], presented)
+        if not cached[3]:
+            self._cache[key_id] = (*cached[:3], raw)
+        return key
 
     @staticmethod
     def _check(key: ApiKey, stored: str, presented: str) -> ApiKey:
         if not hmac.compare_digest(stored, presented):
             raise InvalidApiKey("unknown API key")
+        return KeyStore._active(key)
+
+    @staticmethod
+    def _active(key: ApiKey) -> ApiKey:
         if key.revoked:
             raise InvalidApiKey("API key revoked")
         return key

@@ -51,6 +51,7 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
         assert hasher.hashes(ids) == engine_chain(ids)
         assert hasher.hashes(ids) == engine_chain(ids)
     assert not any(gc.is_tracked(k) for k in hasher._memo if isinstance(k, bytes))
+    assert not any(gc.is_tracked(v) for v in hasher._memo.values())  # kept per new block: untracked
     assert sum(isinstance(k, bytes) for k in hasher._memo) >= 8
 
 
@@ -64,7 +65,7 @@ def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(m
         assert len(hasher._memo) <= 64
     newest = prompts[-1]
     assert hasher.hashes(newest) == engine_chain(newest)
-    packed_last = cache.blocks._packed(newest[7 * 32:8 * 32])
+    packed_last = cache.blocks.pack_tokens(newest[7 * 32:8 * 32])
     assert any(k.endswith(packed_last) for k in hasher._memo)  # the newest blocks stayed
 
 

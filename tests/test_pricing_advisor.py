@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from cache.blocks import pack_tokens
 from pricing import CacheAdvisor, common_prefix_len, diagnose
 
 TOOLS = [{"name": f"tool_{i}", "description": f"Does thing number {i} with care and precision.",
@@ -112,6 +113,20 @@ def test_advisor_keeps_prompts_of_any_token_type():
         d = adv.observe("k", "s", prompt + prompt[:10])
         assert d is not None and d.kind == "none" and d.reused_tokens == len(prompt)
 
+
+
+def test_advisor_takes_prompts_packed_as_int32_bytes():
+    """The gateway hands over the bytes it packed for block hashing: the same diagnosis and counts
+    as for the token list, and a long prompt keeps only its head."""
+    for packed_first in (False, True):
+        adv, ref = CacheAdvisor(max_tokens=64), CacheAdvisor(max_tokens=64)
+        for turn in (1, 3):
+            prompt = chat(turn, " Current time: 10:00:0%d" % turn)
+            packed = pack_tokens(prompt)
+            d = adv.observe("k", "s", packed if packed_first or turn == 3 else prompt)
+            assert d == ref.observe("k", "s", prompt)
+        assert adv.report("k") == ref.report("k") and adv.report("k").prompt_tokens == len(prompt)
+        assert len(adv._last["k", "s"][0]) == 64
 
 @pytest.mark.parametrize("n", [0, 1, 5000])
 def test_diagnose_handles_sizes(n):

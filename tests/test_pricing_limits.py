@@ -66,6 +66,27 @@ async def test_key_lifecycle(env):
         await gw1.revoke("missing")
 
 
+
+async def test_a_cached_key_skips_the_hmac_only_for_the_secret_it_verified(env, monkeypatch):
+    prefix, a, _ = env
+    clock = [0.0]
+    store = KeyStore(a, pepper="p", prefix=prefix, cache_ttl_s=5, clock=lambda: clock[0])
+    created = await store.create("t")
+    digests = []
+    real = store.digest
+    monkeypatch.setattr(store, "digest", lambda s: digests.append(s) or real(s))
+    for _ in range(3):
+        assert (await store.authenticate(created.secret)).id == created.key.id
+    assert digests == [created.secret]  # verified once, then recognised
+    for bad in (created.secret[:-1] + "!", created.secret + "x", "yg-" + created.key.id + "-guess"):
+        with pytest.raises(InvalidApiKey):
+            await store.authenticate(bad)
+    assert (await store.authenticate(created.secret)).id == created.key.id
+    await KeyStore(a, pepper="p", prefix=prefix).revoke(created.key.id)  # another gateway revokes
+    clock[0] = 6.0  # past the cache TTL: Redis is read again, and the revocation seen
+    with pytest.raises(InvalidApiKey, match="revoked"):
+        await store.authenticate(created.secret)
+
 async def test_key_cache_survives_redis_blip_only_when_open(env):
     prefix, a, _ = env
     store = KeyStore(a, pepper="p", prefix=prefix, cache_ttl_s=0)
