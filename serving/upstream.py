@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import ssl
 import time
 from typing import AsyncIterator
@@ -27,9 +28,13 @@ from urllib.parse import urlsplit
 
 import httptools
 
-# vLLM's uvicorn closes idle keep-alive connections after 5 s; drop ours before that so a request
-# never lands on a connection the engine is closing.
-KEEPALIVE_S = 4.0
+log = logging.getLogger(__name__)
+
+# vLLM's uvicorn closes idle keep-alive connections 5 s after it sent the last answer; drop ours
+# well before that (our clock starts when we have read the answer, later than the engine's when our
+# loop is busy), so a request rarely lands on a connection the engine is closing. When one does
+# anyway, `post` sends it again on a new connection.
+KEEPALIVE_S = 2.0
 # Body bytes buffered per connection before reading pauses: a slow client slows the engine's
 # socket instead of growing the gateway's memory (aiohttp's default read limit).
 _HIGH_WATER = 1 << 16
@@ -140,8 +145,8 @@ class UpstreamResponse:
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("pool", "endpoint", "transport", "parser", "response", "waiter", "timer",
-                 "closed", "paused", "keep_alive", "idle_since", "_headers_done", "_framed",
-                 "_reusable")
+                 "closed", "paused", "keep_alive", "idle_since", "_begun", "_headers_done",
+                 "_framed", "_reusable")
 
     def __init__(self, pool: "UpstreamPool", endpoint: Endpoint) -> None:
         self.pool = pool
@@ -155,6 +160,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.idle_since = 0.0
+        self._begun = False      # the answer's first bytes arrived
         self._headers_done = False
         self._framed = False     # content-length or chunked: the end of the body is known
         self._reusable = True
@@ -191,6 +197,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._begun = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         n = name.lower()
         if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
@@ -224,7 +233,7 @@ class _Connection(asyncio.Protocol):
     def send(self, head: bytes, body: bytes) -> UpstreamResponse:
         assert self.transport is not None
         self.response = resp = UpstreamResponse(self)
-        self._headers_done = self._framed = False
+        self._begun = self._headers_done = self._framed = False
         self.transport.write(head + body)
         return resp
 
@@ -289,6 +298,7 @@ class UpstreamPool:
         self._all: set[_Connection] = set()
         self._ssl: ssl.SSLContext | None = None
         self.opened = 0
+        self.stale_retries = 0  # requests re-sent because a kept-alive connection was closed under them
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -316,20 +326,37 @@ class UpstreamPool:
         head = b"%scontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n" % (
             endpoint.head, len(body), headers)
         conn = self._take(endpoint)
+        reused = conn is not None
         if conn is None:
             conn = await self._connect(endpoint)
-        resp = conn.send(head, body)
-        try:
-            while not conn._headers_done:
-                if resp._error is not None:
-                    raise resp._error
-                if conn.closed:
-                    raise UpstreamConnectionError("upstream closed the connection")
-                await conn.wait()
-        except BaseException:
-            resp.release()
-            raise
-        return resp
+        else:
+            idle = time.monotonic() - conn.idle_since
+        while True:
+            resp = conn.send(head, body)
+            try:
+                while not conn._headers_done:
+                    if resp._error is not None:
+                        raise resp._error
+                    if conn.closed:
+                        raise UpstreamConnectionError("upstream closed the connection")
+                    await conn.wait()
+                return resp
+            except UpstreamConnectionError:
+                resp.release()
+                if not reused or conn._begun:
+                    raise
+            except BaseException:
+                resp.release()
+                raise
+            # A kept-alive connection closed with not a byte of answer: the server timed it out as
+            # idle just as the request went out (uvicorn's keep-alive timer can fire after the
+            # request arrived when its loop was busy past the timeout; the app never saw the
+            # request). Any HTTP client retries that once on a new connection.
+            self.stale_retries += 1
+            log.info("re-sending a request to %s:%d on a new connection: a kept-alive one (idle %.2f s) "
+                     "closed with no answer", endpoint.host, endpoint.port, idle)
+            reused = False
+            conn = await self._connect(endpoint)
 
     def _take(self, endpoint: Endpoint) -> _Connection | None:
         idle = self._idle.get(endpoint.key)

@@ -119,6 +119,54 @@ async def test_connection_closed_before_answer_is_retryable_error():
         with pytest.raises(UpstreamConnectionError):
             await pool.post(server.endpoint(), b"{}")
         assert pool.open == 0
+        assert len(server.requests) == 1  # a new connection's close is the server's answer: not re-sent
+
+
+async def test_a_kept_alive_connection_closed_under_a_request_is_retried_on_a_new_one():
+    """uvicorn closes a connection idle past its keep-alive timeout; when its loop was busy the
+    close can come after our next request went out on it. Nothing was answered (the app never saw
+    the request), so the pool sends it again on a new connection, once."""
+    served: dict[int, int] = {}
+
+    async def idles_out(writer, body) -> bool:
+        n = served[id(writer)] = served.get(id(writer), 0) + 1
+        if n == 2:
+            return False  # the keep-alive timer's close: no answer
+        return await _fixed(writer, body)
+
+    async with Server(idles_out) as server:
+        pool = UpstreamPool()
+        for i in range(3):
+            resp = await pool.post(server.endpoint(), b'{"n":%d}' % i)
+            assert resp.status == 200 and await resp.read() == b'{"n":%d}' % i
+            resp.release()
+        # Every connection's second request meets the close: each is sent twice, once per connection.
+        assert server.connections == 3 and pool.stale_retries == 2
+        assert [r.split(b"\r\n\r\n")[1] for r in server.requests] == [
+            b'{"n":0}', b'{"n":1}', b'{"n":1}', b'{"n":2}', b'{"n":2}']
+        await pool.close()
+
+
+async def test_an_answer_cut_after_it_began_is_not_sent_again():
+    served: dict[int, int] = {}
+
+    async def cuts(writer, body) -> bool:
+        n = served[id(writer)] = served.get(id(writer), 0) + 1
+        if n == 2:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-")  # the answer began: the engine saw the request
+            await writer.drain()
+            return False
+        return await _fixed(writer, body)
+
+    async with Server(cuts) as server:
+        pool = UpstreamPool()
+        resp = await pool.post(server.endpoint(), b"{}")
+        await resp.read()
+        resp.release()
+        with pytest.raises(UpstreamConnectionError):
+            await pool.post(server.endpoint(), b"{}")
+        assert len(server.requests) == 2 and pool.stale_retries == 0
+        await pool.close()
 
 
 async def test_nothing_listening_is_a_connect_error():
