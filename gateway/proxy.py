@@ -198,8 +198,9 @@ class Proxy:
                     self.fleet.set_health(replica, False)
                 if attempt == 0:
                     self.accounting.metrics.retries.labels(ctx.tier).inc()
-                log.warning("replica %s failed before answering (%s); retrying",
-                            replica.name, type(exc).__name__)
+                log.warning("replica %s failed before answering (try %d, %.2f s into the request: %s: %s)",
+                            replica.name, attempt + 1, time.perf_counter() - ctx.started,
+                            type(exc).__name__, exc)
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
         raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
@@ -219,8 +220,10 @@ class Proxy:
             try:
                 data = await resp.read()
                 break
-            except _RETRYABLE:
+            except _RETRYABLE as exc:
                 failed.add(replica.name)
+                log.warning("replica %s failed while answering (%.2f s into the request: %s: %s)",
+                            replica.name, time.perf_counter() - ctx.started, type(exc).__name__, exc)
                 if attempt == 1:
                     raise UpstreamError("Upstream replica failed while answering.") from None
             finally:
