@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import secrets
 import signal
@@ -80,6 +81,13 @@ class ChaosEngine:
         self.launcher.start()
         self.launcher.wait_healthy(timeout=300)
 
+    def ensure_running(self) -> None:
+        """Start the engine again if an earlier test killed it and failed before restarting it: one
+        failure should not fail every later test of the module."""
+        if self.launcher is None or self.launcher.engines[0].process.poll() is not None:
+            self.stop()
+            self.start()
+
     def sigkill(self) -> None:
         assert self.launcher is not None
         os.killpg(self.launcher.engines[0].process.pid, signal.SIGKILL)
@@ -93,13 +101,19 @@ class ChaosEngine:
 
 
 @pytest.fixture(scope="module")
-def chaos_engine(stack, tmp_path_factory):
+def chaos_engine_process(stack, tmp_path_factory):
     engine = ChaosEngine(stack.model_dir, tmp_path_factory.mktemp("chaos-logs"))
     try:
         engine.start()
         yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture
+def chaos_engine(chaos_engine_process):
+    chaos_engine_process.ensure_running()
+    return chaos_engine_process
 
 
 def gateway_config(stack, *urls: tuple[str, str], **limits) -> Config:
@@ -287,7 +301,7 @@ def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, 
 
 # -- an engine that dies under load --------------------------------------------------------------
 
-def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
+def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog):
     config = gateway_config(stack, ("chaos-0", chaos_engine.url), ("std-1", stack.engines["standard"]))
     config.fleet.replicas[0].kv_events_endpoint = chaos_engine.replica.kv_events
     gw = gateway_factory(config)
@@ -300,6 +314,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
         httpx.post(chaos_engine.url + "/v1/completions", timeout=60,
                    json={"model": "demo", "prompt": f"{tag} {long_prompt}", "max_tokens": 1}).raise_for_status()
 
+    caplog.set_level(logging.INFO, logger="serving.upstream")
     fill_cache("before")
     wait_until(lambda: subscriber.events > 0, 30, "KV events from the engine before the kill")
     stop = threading.Event()
@@ -391,11 +406,16 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory):
     print(f"\n[chaos] SIGKILL with {inflight_at_kill} requests in flight on the victim: "
           f"{len(unary)} unary ({len(failed_unary)} failed), {len(streams)} streams "
           f"({len(cut_streams)} cut mid-stream with an error event); slowest unary "
-          f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s")
+          f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s; requests re-sent on a new "
+          f"connection after a kept-alive one closed: {gw.gateway.proxy.upstream.stale_retries}")
     timeline = [(round(a - killed_at, 2), round(b - a, 2), status, replica)
                 for a, b, status, replica in unary_times]
+    gateway_log = [f"{r.created - killed_at + time.monotonic() - time.time():.2f} {r.name} {r.getMessage()}"
+                   for r in caplog.records if r.name.startswith(("gateway", "serving"))]
+    print("[chaos] gateway log (s after the kill):", *gateway_log, sep="\n  ")
     assert failed_unary == [], (f"in flight at the stop: {inflight_at_stop}; unary requests (start after "
-                                f"the kill s, duration s, status, replica): {timeline}")
+                                f"the kill s, duration s, status, replica): {timeline}; gateway warnings "
+                                f"(s after the kill): {gateway_log}")
     for status, replica, body in streams:
         assert status == 200, body[:300]
         assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
