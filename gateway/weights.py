@@ -211,7 +211,7 @@ class RolloutFleet:
         if routable:
             # Label first, admit second: every response from now on names the weights that made it.
             if replica in self.verified:
-                r.weight_version = gateway_label(self.verified.pop(replica))
+                r.label_weights(gateway_label(self.verified.pop(replica)))
             else:
                 await self.sync_version(replica)
             r.admitted = True
@@ -225,7 +225,7 @@ class RolloutFleet:
 
     async def sync_version(self, replica: str) -> None:
         version = await asyncio.to_thread(_engine_version, replica)
-        self.by_url[replica].weight_version = gateway_label(version)
+        self.by_url[replica].label_weights(gateway_label(version))
 
 
 def _engine_version(url: str) -> str:
@@ -270,7 +270,7 @@ class GatewayRollout(Rollout):
     async def _verify(self, replica: str, version: str) -> str:
         served = await super()._verify(replica, version)
         self.rfleet.verified[replica] = served
-        self.rfleet.by_url[replica].weight_version = gateway_label(served)
+        self.rfleet.by_url[replica].label_weights(gateway_label(served))
         self.state.note("verified", self.rfleet.by_url[replica].name, gateway_label(version))
         return served
 
