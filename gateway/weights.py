@@ -211,7 +211,7 @@ class RolloutFleet:
         if routable:
             # Label first, admit second: every response from now on names the weights that made it.
             if replica in self.verified:
-                r.weight_version = gateway_label(self.verified.pop(replica))
+                r.label_weights(gateway_label(self.verified.pop(replica)))
             else:
                 await self.sync_version(replica)
             r.admitted = True
@@ -225,7 +225,7 @@ class RolloutFleet:
 
     async def sync_version(self, replica: str) -> None:
         version = await asyncio.to_thread(_engine_version, replica)
-        self.by_url[replica].weight_version = gateway_label(version)
+        self.by_url[replica].label_weights(gateway_label(version))
 
 
 def _engine_version(url: str) -> str:
@@ -270,7 +270,7 @@ class GatewayRollout(Rollout):
     async def _verify(self, replica: str, version: str) -> str:
         served = await super()._verify(replica, version)
         self.rfleet.verified[replica] = served
-        self.rfleet.by_url[replica].weight_version = gateway_label(served)
+        self.rfleet.by_url[replica].label_weights(gateway_label(served))
         self.state.note("verified", self.rfleet.by_url[replica].name, gateway_label(version))
         return served
 
@@ -402,15 +402,21 @@ class WeightOrchestrator:
             raise Conflict(f"rollout {self.current.id} is running", code="rollout_in_progress")
         if self.current is not None and self.current.state == "awaiting_push":
             # A push that never came must not block the fleet: the newer request replaces it.
-            self.current.state = "failed"
-            self.current.reason = f"superseded by {state.id} before any push arrived"
-            self.current.finished_at = time.time()
-            superseded = self.intakes.pop(self.current.id, None)
-            if superseded is not None:
-                self.readmit_early(superseded, "superseded")
+            self._drop_push(self.current, self.intakes.get(self.current.id),
+                            f"superseded by {state.id} before any push arrived", why="superseded")
         if self.current is not None:
             self.history.append(self.current)
         self.current = state
+
+    def _drop_push(self, state: RolloutState, intake: PushIntake | None, reason: str,
+                   why: str) -> None:
+        """Fail a push still awaiting its trainer: nothing was applied, so nothing is restored.
+        Its intake takes no more calls and a wave it drained early goes back (`why` says so)."""
+        state.state, state.reason, state.finished_at = "failed", reason, time.time()
+        state.note("failed", detail=reason)
+        self.intakes.pop(state.id, None)
+        if intake is not None:
+            self.readmit_early(intake, why)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -683,12 +689,9 @@ class WeightOrchestrator:
             for name, exc in failed:
                 self.stage_failure(intake, name, f"{type(exc).__name__}: {exc}")
             self.readmit_early(intake, "push refused")
-            state = intake.state
-            if state.state == "awaiting_push":  # the trainer gives up on this push
-                state.state, state.reason = "failed", f"staging failed: {intake.stage_failed}"
-                state.finished_at = time.time()
-                state.note("failed", detail=state.reason)
-                self.intakes.pop(state.id, None)
+            if intake.state.state == "awaiting_push":  # the trainer gives up on this push
+                self._drop_push(intake.state, intake, f"staging failed: {intake.stage_failed}",
+                                why="push refused")
             raise failed[0][1]
         return intake, sessions
 

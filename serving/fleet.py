@@ -40,6 +40,7 @@ class Replica:
     admitted: bool = True          # False while a weight rollout has it out of routing
     inflight: int = 0              # requests in flight through this gateway
     weight_version: str = "base"
+    weight_generation: int = 0     # bumped by every swap's label (`label_weights`)
     engine_metrics: dict[str, float] = field(default_factory=dict)
     kv_capacity_blocks: int | None = None
     last_health_at: float = 0.0
@@ -49,6 +50,12 @@ class Replica:
     @property
     def name(self) -> str:
         return self.config.name
+
+    def label_weights(self, version: str) -> None:
+        """Label the replica with the version a weight swap (or its restore) just verified. A
+        version read that began before this is stale from now on: see `_read_weight_version`."""
+        self.weight_version = version
+        self.weight_generation += 1
 
     @property
     def tier(self) -> str:
@@ -164,11 +171,15 @@ class Fleet:
     async def _read_weight_version(self, replica: Replica) -> None:
         """Label responses with what the engine really serves (it may have been updated before)."""
         assert self._session is not None
+        # The answer may predate a swap that a rollout labelled while it was on its way (asked
+        # before the engine committed, answered after the rollout verified): then it is dropped.
+        generation = replica.weight_generation
         try:
             async with self._session.get(replica.url + "/weight_info") as resp:
                 if resp.status == 200:
                     version = str((await resp.json()).get("weight_version") or ENGINE_BASE_VERSION)
-                    replica.weight_version = BASE_VERSION if version == ENGINE_BASE_VERSION else version
+                    if replica.weight_generation == generation:
+                        replica.weight_version = BASE_VERSION if version == ENGINE_BASE_VERSION else version
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             pass  # older engines without /weight_info keep the configured label
 

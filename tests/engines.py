@@ -13,8 +13,10 @@ import httpx
 import pytest
 
 
-def start_engine(model_dir: Path, port: int, log_path: Path, *args: str) -> subprocess.Popen:
-    """`vllm serve` of the demo model on the CPU backend with the `yieldgate` weight-transfer plugin."""
+def start_engine(model_dir: Path, port: int, log_path: Path, *args: str,
+                 plugin: bool = True) -> subprocess.Popen:
+    """`vllm serve` of the demo model on the CPU backend with the `yieldgate` weight-transfer plugin
+    (`plugin=False`: with no weight-transfer backend, like an engine someone else launched)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONHASHSEED="0",
                VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [
@@ -22,7 +24,7 @@ def start_engine(model_dir: Path, port: int, log_path: Path, *args: str) -> subp
         "--model", str(model_dir), "--served-model-name", "demo",
         "--host", "127.0.0.1", "--port", str(port),
         "--gpu-memory-utilization", "0.3", "--block-size", "32",
-        "--weight-transfer-config", '{"backend":"yieldgate"}', *args,
+        *(("--weight-transfer-config", '{"backend":"yieldgate"}') if plugin else ()), *args,
     ]
     return subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
