@@ -197,10 +197,16 @@ class Fleet:
         assert self._session is not None
         try:
             async with self._session.get(replica.url + "/metrics") as resp:
+                if resp.status != 200:
+                    return
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return
-        values, capacity = parse_engine_metrics(text)
+        try:
+            values, capacity = parse_engine_metrics(text)
+        except ValueError:  # not Prometheus text: not an engine we can read, not a reason to stop
+            log.warning("replica %s: /metrics is not Prometheus text; engine metrics not read", replica.name)
+            return
         replica.engine_metrics = values
         if capacity:
             replica.kv_capacity_blocks = capacity
