@@ -160,7 +160,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.keep_alive = True
         self.idle_since = 0.0
-        self._begun = False      # the answer's first bytes arrived
+        self._begun = False      # a byte of the answer arrived
         self._headers_done = False
         self._framed = False     # content-length or chunked: the end of the body is known
         self._reusable = True
@@ -173,6 +173,7 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # bytes nobody asked for: the connection is out of step
             self._abort(UpstreamConnectionError("unexpected bytes from upstream"))
             return
+        self._begun = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -197,9 +198,6 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     # -- httptools callbacks -----------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self._begun = True
-
     def on_header(self, name: bytes, value: bytes) -> None:
         n = name.lower()
         if n == b"content-length" or (n == b"transfer-encoding" and b"chunked" in value.lower()):
@@ -341,20 +339,21 @@ class UpstreamPool:
                         raise UpstreamConnectionError("upstream closed the connection")
                     await conn.wait()
                 return resp
-            except UpstreamConnectionError:
+            except UpstreamConnectionError as exc:
                 resp.release()
                 if not reused or conn._begun:
                     raise
+                error = exc
             except BaseException:
                 resp.release()
                 raise
-            # A kept-alive connection closed with not a byte of answer: the server timed it out as
-            # idle just as the request went out (uvicorn's keep-alive timer can fire after the
-            # request arrived when its loop was busy past the timeout; the app never saw the
-            # request). Any HTTP client retries that once on a new connection.
+            # A kept-alive connection closed with not a byte of answer: the engine dropped it as
+            # the request went out (uvicorn's idle timer, when our loop lagged; under heavy load
+            # also seen on a connection idle 10 ms, cause unknown). Nothing was answered: send it
+            # once more on a new connection, as HTTP clients do for requests on reused connections.
             self.stale_retries += 1
             log.info("re-sending a request to %s:%d on a new connection: a kept-alive one (idle %.2f s) "
-                     "closed with no answer", endpoint.host, endpoint.port, idle)
+                     "closed with no answer (%s)", endpoint.host, endpoint.port, idle, error)
             reused = False
             conn = await self._connect(endpoint)
 
