@@ -303,6 +303,13 @@ def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, 
 
 # -- an engine that dies under load --------------------------------------------------------------
 
+def gateway_log(caplog, t0: float) -> list[str]:
+    """The gateway's log records so far, each with its time in seconds after `t0` (monotonic)."""
+    offset = time.monotonic() - time.time()
+    return [f"{r.created + offset - t0:.2f} {r.name} {r.getMessage()}" for r in caplog.records
+            if r.name.startswith(("yieldgate", "gateway", "serving"))]
+
+
 def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog):
     config = gateway_config(stack, ("chaos-0", chaos_engine.url), ("std-1", stack.engines["standard"]))
     config.fleet.replicas[0].kv_events_endpoint = chaos_engine.replica.kv_events
@@ -385,16 +392,24 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
         wait_until(lambda: fresh_stream_on_victim() and victim.inflight >= 2 and len(unary) >= 2, 180,
                    "a stream that just started and other load on the victim replica", interval=0.05)
         inflight_at_kill = victim.inflight
+        kill_started = time.monotonic()
         chaos_engine.sigkill()
-        killed_at = time.monotonic()
-        wait_until(lambda: not victim.healthy, 10, "the gateway to eject the killed replica")
-        # The survivor keeps the gateway up (a probe of the busy survivor may time out now and then).
-        def survivor_serves() -> bool:
-            health = httpx.get(gw.url + "/healthz", timeout=10).json()
-            return health["replicas"]["chaos-0"]["healthy"] is False and health["status"] == "ok"
+        killed_at = time.monotonic()  # the engine's API server is reaped: its sockets are closed
+        try:
+            # A request or a probe finds it gone at once on a quiet machine; 10 s were once too
+            # short with two busy loops beside the suite.
+            wait_until(lambda: not victim.healthy, 30, "the gateway to eject the killed replica")
+            ejected_after = time.monotonic() - killed_at
+            # The survivor keeps the gateway up (a probe of the busy survivor may time out now and then).
+            def survivor_serves() -> bool:
+                health = httpx.get(gw.url + "/healthz", timeout=10).json()
+                return health["replicas"]["chaos-0"]["healthy"] is False and health["status"] == "ok"
 
-        wait_until(survivor_serves, 30, "/healthz: the killed replica out, the gateway ok")
-        wait_until(lambda: time.monotonic() - killed_at > 4, 10, "load after the kill")
+            wait_until(survivor_serves, 30, "/healthz: the killed replica out, the gateway ok")
+            wait_until(lambda: time.monotonic() - killed_at > 4, 10, "load after the kill")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the kill took {killed_at - kill_started:.2f} s; gateway log (s "
+                                 f"after the kill): {gateway_log(caplog, killed_at)}") from None
     finally:
         inflight_at_stop = {name: r.inflight for name, r in fleet.replicas.items()}
         stop.set()
@@ -407,17 +422,17 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
     cut_streams = [s for s in streams if b'"upstream_error"' in s[2]]
     print(f"\n[chaos] SIGKILL with {inflight_at_kill} requests in flight on the victim: "
           f"{len(unary)} unary ({len(failed_unary)} failed), {len(streams)} streams "
-          f"({len(cut_streams)} cut mid-stream with an error event); slowest unary "
+          f"({len(cut_streams)} cut mid-stream with an error event); the kill took "
+          f"{killed_at - kill_started:.2f} s, ejected {ejected_after:.2f} s after; slowest unary "
           f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s; requests re-sent on a new "
           f"connection after a kept-alive one closed: {gw.gateway.proxy.upstream.stale_retries}")
     timeline = [(round(a - killed_at, 2), round(b - a, 2), status, replica)
                 for a, b, status, replica in unary_times]
-    gateway_log = [f"{r.created - killed_at + time.monotonic() - time.time():.2f} {r.name} {r.getMessage()}"
-                   for r in caplog.records if r.name.startswith(("gateway", "serving"))]
-    print("[chaos] gateway log (s after the kill):", *gateway_log, sep="\n  ")
+    log_lines = gateway_log(caplog, killed_at)
+    print("[chaos] gateway log (s after the kill):", *log_lines, sep="\n  ")
     assert failed_unary == [], (f"in flight at the stop: {inflight_at_stop}; unary requests (start after "
-                                f"the kill s, duration s, status, replica): {timeline}; gateway warnings "
-                                f"(s after the kill): {gateway_log}")
+                                f"the kill s, duration s, status, replica): {timeline}; gateway log "
+                                f"(s after the kill): {log_lines}")
     for status, replica, body in streams:
         assert status == 200, body[:300]
         assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
