@@ -327,8 +327,6 @@ class UpstreamPool:
         reused = conn is not None
         if conn is None:
             conn = await self._connect(endpoint)
-        else:
-            idle = time.monotonic() - conn.idle_since
         while True:
             resp = conn.send(head, body)
             try:
@@ -352,8 +350,9 @@ class UpstreamPool:
             # also seen on a connection idle 10 ms, cause unknown). Nothing was answered: send it
             # once more on a new connection, as HTTP clients do for requests on reused connections.
             self.stale_retries += 1
-            log.info("re-sending a request to %s:%d on a new connection: a kept-alive one (idle %.2f s) "
-                     "closed with no answer (%s)", endpoint.host, endpoint.port, idle, error)
+            log.info("re-sending a request to %s:%d on a new connection: a kept-alive one closed with no "
+                     "answer %.2f s after it went idle (%s)", endpoint.host, endpoint.port,
+                     time.monotonic() - conn.idle_since, error)
             reused = False
             conn = await self._connect(endpoint)
 
