@@ -73,6 +73,7 @@ class Gateway:
         await self.dashboard.start()
         await self.routing.start()
         await self.proxy.start()
+        self.weights.start()
 
     async def close(self) -> None:
         await self.weights.close()

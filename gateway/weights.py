@@ -319,6 +319,7 @@ class WeightOrchestrator:
         self.intakes: dict[str, PushIntake] = {}
         self._armed: dict[str, bool] = {}  # engine URL -> runs our backend, armed with engine_token
         self._dtype: str | None = None
+        self._dtype_asked: asyncio.Future | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def close(self) -> None:
@@ -357,16 +358,32 @@ class WeightOrchestrator:
             self._engine_token = token
             (self.root / "engine_push_token").write_text(token)
 
+    def start(self) -> None:
+        self._spawn(self._warm_dtype())
+
+    async def _warm_dtype(self) -> None:
+        """Ask the serving dtype as soon as a replica is up, not at the first push: an engine's
+        first /server_info runs vLLM's environment collection (seconds; over 10 on a busy box)."""
+        while not any(r.healthy for r in self.fleet.replicas.values()):
+            await asyncio.sleep(0.5)
+        await self.serving_dtype()
+
     async def serving_dtype(self) -> str | None:
-        """The dtype the engines serve in, asked once (every replica serves the same model)."""
+        """The dtype the engines serve in, asked once (every replica serves the same model); a
+        caller arriving while it is being asked waits for that answer."""
         if self._dtype is None:
-            for r in self.fleet.replicas.values():
-                if r.healthy:
-                    with EngineClient(r.url, 30.0) as client:
-                        dtype = await asyncio.to_thread(client.model_dtype)
-                    self._dtype = wire.dtype_name(dtype) if dtype is not None else None
-                    break
+            if self._dtype_asked is None or self._dtype_asked.done():
+                self._dtype_asked = self._spawn(self._ask_dtype())
+            await asyncio.shield(self._dtype_asked)
         return self._dtype
+
+    async def _ask_dtype(self) -> None:
+        for r in self.fleet.replicas.values():
+            if r.healthy:
+                with EngineClient(r.url, 30.0) as client:
+                    dtype = await asyncio.to_thread(client.model_dtype)
+                self._dtype = wire.dtype_name(dtype) if dtype is not None else None
+                return
 
     async def ensure_armed(self, replicas: list[Replica]) -> None:
         """Arm unarmed engines with the gateway's token (re-arming with the same token is a no-op)."""
@@ -395,6 +412,7 @@ class WeightOrchestrator:
             "rollout": self.current,
             "history": self.history[-10:],
             "versions": [gateway_label(v) for v in self.store.versions()],
+            "dtype": self._dtype,  # the engines' serving dtype (pushes stream in it); null until known
         }
 
     def _begin(self, state: RolloutState) -> None:

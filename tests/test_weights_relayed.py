@@ -92,6 +92,12 @@ def test_one_call_push_into_engines_without_the_plugin_is_relayed_and_reloaded(r
             assert client.transfer_backend() is None  # really no weight-transfer backend
     before = {name: engine_state(url) for name, url in engines.items()}
     assert {v for v, _ in before.values()} == {"default"}
+    # The gateway asked the serving dtype once a replica was up, before any push needed it (an
+    # engine's first /server_info collects its environment: seconds, >10 on a busy box).
+    deadline = time.monotonic() + 120
+    while admin_get(gateway)["dtype"] is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert admin_get(gateway)["dtype"] == "bfloat16"
     base_text = before["relay-0"][1]
     assert {t for _, t in before.values()} == {base_text}
     TEXTS["default"] = base_text
