@@ -72,10 +72,8 @@ class EngineClient:
     def weight_version(self) -> str:
         return str(self._call("GET", "/weight_info").json()["weight_version"])
 
-    def set_weight_version(self, version: str) -> str:
-        """-> the version the engine now reports (vLLM answers once its engine core set it)."""
-        body = self._call("POST", "/update_weight_version", json={"new_version": version}).json()
-        return str(body.get("new_version", "")) if body.get("success") else ""
+    def set_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", json={"new_version": version})
 
     def reset_prefix_cache(self) -> bool:
         return bool(self._call("POST", "/reset_prefix_cache").json().get("success"))

@@ -27,7 +27,7 @@ import torch
 
 from trainer_bridge.config import BridgeConfig
 from trainer_bridge.engine_client import EngineClient, tls_context
-from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, PushRefused, TransferError
+from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, PushRefused
 from trainer_bridge.sender import ChunkSender, StreamTarget
 from trainer_bridge.weights import WeightSet
 
@@ -398,30 +398,20 @@ def stage(
 
 def apply_staged(
     engine_url: str, session: str, version: str, config: BridgeConfig | None = None
-) -> str:
-    """Load what `stage` left in the engine; then, in one parallel round, commit `version`, reset
-    the prefix cache (KV from the old weights must not be reused), end the update session and read
-    the engine's health. -> the version the engine committed. The engine must not be serving
-    meanwhile. Two serial round trips, not four: on a loaded machine each trip into vLLM's worker
-    costs 0.01-0.6 s (`benchmarks/results/rollout-*` timelines)."""
+) -> None:
+    """Load what `stage` left in the engine, commit `version`, reset the prefix cache (KV from
+    the old weights must not be reused). The engine must not be serving meanwhile."""
     cfg = config or BridgeConfig()
     with EngineClient(engine_url, cfg.http_timeout_s) as client:
         client.update_weights(
             {"names": [], "dtype_names": [], "shapes": [], "session": session, "phase": "apply",
              "timeout_s": cfg.stream_timeout_s}
         )
-        # Independent once the weights are in: the version is set by the engine core, the session
-        # ends in the worker, neither waits for the other.
-        with ThreadPoolExecutor(4) as pool:
-            committed = pool.submit(client.set_weight_version, version)
-            done = [pool.submit(fn) for fn in (client.reset_prefix_cache, client.finish_weight_update)]
-            healthy = pool.submit(client.healthy)
-            for f in done:
-                f.result()
-            served = committed.result()
-            if not healthy.result():
-                raise TransferError(f"{engine_url}: engine unhealthy after the update")
-    return served
+        # Independent once the weights are in (the engine is drained): one round trip, not two.
+        with ThreadPoolExecutor(1) as pool:
+            reset = pool.submit(client.reset_prefix_cache)
+            client.finish_weight_update(version)
+            reset.result()
 
 
 def discard_staged(engine_url: str) -> None:

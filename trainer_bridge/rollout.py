@@ -141,7 +141,6 @@ class Rollout:
         self.token = current_token
         self._backends: dict[str, str | None] = {}
         self._sessions: dict[str, str] = {}  # replica -> staged session awaiting its swap
-        self._committed: dict[str, str] = {}  # replica -> version its apply committed, health read
         self._saving: asyncio.Future | None = None
 
     async def run(
@@ -161,7 +160,6 @@ class Rollout:
             raise ValueError("weights still arriving need pre-staged replicas")
         wset = WeightSet([]) if pending is not None else _weights(weights, None)
         self._sessions = {r.rstrip("/"): s for r, s in (staged or {}).items()}
-        self._committed = {}
         self._saving = None
         waves = swap_waves(replicas, getattr(self.fleet, "tier", lambda _r: "")) \
             if self.mode == "rolling" else []
@@ -362,8 +360,7 @@ class Rollout:
     async def _update(self, replica: str, wset: WeightSet, version: str, token: str) -> str:
         session = self._sessions.pop(replica, None)
         if session is not None:
-            self._committed[replica] = await asyncio.to_thread(
-                apply_staged, replica, session, version, self.config)
+            await asyncio.to_thread(apply_staged, replica, session, version, self.config)
             return "push"
         if self._backends.get(replica) == "yieldgate":
             await asyncio.to_thread(
@@ -377,18 +374,14 @@ class Rollout:
         return "reload"
 
     async def _verify(self, replica: str, version: str) -> str:
-        """-> the version the engine reports (== `version`). A staged apply read health and the
-        committed version in its last round already; anything else is asked here."""
-        if replica in self._committed:
-            healthy, served = True, self._committed.pop(replica)
-        else:
-            client = EngineClient(replica, self.config.verify_timeout_s)
-            try:
-                healthy, served = await asyncio.gather(
-                    asyncio.to_thread(client.healthy), asyncio.to_thread(client.weight_version)
-                )
-            finally:
-                client.close()
+        """-> the version the engine reports (== `version`)."""
+        client = EngineClient(replica, self.config.verify_timeout_s)
+        try:
+            healthy, served = await asyncio.gather(
+                asyncio.to_thread(client.healthy), asyncio.to_thread(client.weight_version)
+            )
+        finally:
+            client.close()
         if not healthy:
             raise RolloutFailed("engine unhealthy after update", replica)
         if served != version:
