@@ -334,9 +334,14 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
     lock = threading.Lock()
     # Start times of the streams being read from the replica about to be killed. A stream whose
     # client is still reading may already be finished at the engine (the rest sits in socket
-    # buffers), so the kill waits for one that started < 2 s ago: 4000 tokens take longer (2000
-    # took ~3 s on a quiet machine).
+    # buffers), so the kill waits for one that started recently: less than 2 s ago and less than
+    # 0.3x the time the engine takes for 4000 tokens alone (on a fast VM it generated all 4000
+    # tokens of the only stream there in under 2 s while the client still read: nothing was cut).
     live_on_victim: dict[tuple[int, int], float] = {}
+    timed = time.monotonic()
+    httpx.post(chaos_engine.url + "/v1/completions", timeout=300, json={
+        "model": "demo", "prompt": "how long", "max_tokens": 4000, "ignore_eos": True}).raise_for_status()
+    recent_s = min(2.0, 0.3 * (time.monotonic() - timed))  # under load the engine only gets slower
 
     def unary_worker(i: int) -> None:
         # As long as the gateway waits for an engine (upstream_read_timeout_s): on a loaded CI
@@ -387,10 +392,17 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
         def fresh_stream_on_victim() -> bool:
             with lock:
                 started = list(live_on_victim.values())
-            return any(time.monotonic() - t < 2.0 for t in started)
+            return any(time.monotonic() - t < recent_s for t in started)
 
-        wait_until(lambda: fresh_stream_on_victim() and victim.inflight >= 2 and len(unary) >= 2, 180,
-                   "a stream that just started and other load on the victim replica", interval=0.05)
+        try:
+            wait_until(lambda: fresh_stream_on_victim() and victim.inflight >= 2 and len(unary) >= 2, 180,
+                       "a stream that just started and other load on the victim replica", interval=0.05)
+        except AssertionError as exc:
+            with lock:
+                ages = [round(time.monotonic() - t, 2) for t in live_on_victim.values()]
+            raise AssertionError(f"{exc}; recent = {recent_s:.2f} s; on the victim now: {ages} s old, "
+                                 f"{victim.inflight} in flight; {len(unary)} unary done; "
+                                 f"streams by replica: {[r for _, r, _ in streams]}") from None
         inflight_at_kill = victim.inflight
         kill_started = time.monotonic()
         chaos_engine.sigkill()
@@ -424,7 +436,8 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
           f"{len(unary)} unary ({len(failed_unary)} failed), {len(streams)} streams "
           f"({len(cut_streams)} cut mid-stream with an error event); the kill took "
           f"{killed_at - kill_started:.2f} s, ejected {ejected_after:.2f} s after; slowest unary "
-          f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s; requests re-sent on a new "
+          f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s; killed when a stream there was "
+          f"< {recent_s:.2f} s old; requests re-sent on a new "
           f"connection after a kept-alive one closed: {gw.gateway.proxy.upstream.stale_retries}")
     timeline = [(round(a - killed_at, 2), round(b - a, 2), status, replica)
                 for a, b, status, replica in unary_times]
