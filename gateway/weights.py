@@ -430,11 +430,11 @@ class WeightOrchestrator:
                    why: str) -> None:
         """Fail a push still awaiting its trainer: nothing was applied, so nothing is restored.
         Its intake takes no more calls and a wave it drained early goes back (`why` says so)."""
+        if intake is not None:
+            self.readmit_early(intake, why)
         state.state, state.reason, state.finished_at = "failed", reason, time.time()
         state.note("failed", detail=reason)
         self.intakes.pop(state.id, None)
-        if intake is not None:
-            self.readmit_early(intake, why)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -706,10 +706,11 @@ class WeightOrchestrator:
         if failed:
             for name, exc in failed:
                 self.stage_failure(intake, name, f"{type(exc).__name__}: {exc}")
-            self.readmit_early(intake, "push refused")
             if intake.state.state == "awaiting_push":  # the trainer gives up on this push
                 self._drop_push(intake.state, intake, f"staging failed: {intake.stage_failed}",
                                 why="push refused")
+            else:
+                self.readmit_early(intake, "push refused")
             raise failed[0][1]
         return intake, sessions
 
