@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from loadtest import (
+from yieldgate.loadtest import (
     Bounds,
     CodeEditWorkload,
     ConcurrencyLoad,

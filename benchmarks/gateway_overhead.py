@@ -226,7 +226,7 @@ class Yieldgate:
         cfg.write_text(gateway_config(self.port, upstream, self.workdir, **v))
         env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
         env["YIELDGATE_HOME"] = str(self.workdir)
-        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "gateway.cli", "gateway", "--config", str(cfg)],
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
         try:
@@ -325,8 +325,8 @@ def load_worker(spec_path: str, out_path: str) -> None:
 
     import msgspec
 
-    from loadtest import Bounds, Load, Runner, Target
-    from loadtest.workload import SharedPrefixWorkload
+    from yieldgate.loadtest import Bounds, Load, Runner, Target
+    from yieldgate.loadtest.workload import SharedPrefixWorkload
 
     spec = json.loads(Path(spec_path).read_text())
     target = msgspec.convert(spec["target"], Target)
@@ -686,7 +686,7 @@ SWEEP_SLOW = [50, 100, 150, 200, 300, 400, 500, 750, 1000]
 
 def main() -> None:
     global MODEL_PATH
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
     MODEL_PATH = str(ensure_demo_model())
     p = argparse.ArgumentParser(description="gateway overhead: direct vs yieldgate vs LiteLLM")
     p.add_argument("--quick", action="store_true", help="fewer requests (~6 min instead of ~20)")

@@ -39,7 +39,7 @@ WARMUP_S = 8.0  # the warm-up phase (300 requests at concurrency 8) ends within 
 SITECUSTOMIZE = '''
 import os, sys
 _argv = " ".join(getattr(sys, "orig_argv", []))
-_role = "gw" if "gateway.cli" in _argv else "lg" if "--load-worker" in _argv else None
+_role = "gw" if "yieldgate.gateway.cli" in _argv else "lg" if "--load-worker" in _argv else None
 if _role and os.environ.get("YG_AB_DIAG"):
     import gc, threading, time
     _log = open(os.path.join(os.environ["YG_AB_DIAG"], f"{_role}-{os.getpid()}.log"), "w", buffering=1)
@@ -123,7 +123,7 @@ def main() -> None:
                    help="another checkout of this repository (e.g. a git worktree of the baseline commit)")
     p.add_argument("--out", default=str(go.RESULTS / f"gateway_overhead_ab-{time.strftime('%Y%m%d')}.json"))
     a = p.parse_args()
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     go.MODEL_PATH = str(ensure_demo_model())
     variants = a.variants.split(",") + ["direct"]

@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest import Bounds, ConcurrencyLoad, PoissonLoad, RandomLengthWorkload, Target, run_load
+from yieldgate.loadtest import Bounds, ConcurrencyLoad, PoissonLoad, RandomLengthWorkload, Target, run_load
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
+from yieldgate.loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 
 RESULTS = Path(__file__).parent / "results"
 

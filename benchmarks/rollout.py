@@ -45,9 +45,9 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from gateway.embedded import stop_process_group
-from serving.demo_model import DemoModelSpec, ensure_demo_model
-from trainer_bridge import EngineClient, push
+from yieldgate.gateway.embedded import stop_process_group
+from yieldgate.serving.demo_model import DemoModelSpec, ensure_demo_model
+from yieldgate.trainer_bridge import EngineClient, push
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +74,7 @@ demo_base_port = {port + 101}
     env = dict(os.environ, YIELDGATE_HOME=str(home), PYTHONUNBUFFERED="1",
                YIELDGATE_FLEET__MODEL_PATH=str(model_dir))
     log = open(home / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--config", str(config)],
+    proc = subprocess.Popen([sys.executable, "-m", "yieldgate.gateway.cli", "up", "--config", str(config)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

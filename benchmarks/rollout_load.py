@@ -26,7 +26,7 @@ from typing import IO
 
 import httpx
 
-from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, RequestRecord, Target, run_load
+from yieldgate.loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, RequestRecord, Target, run_load
 
 
 class JsonLines:

@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from cache import Tokenizer
+from yieldgate.cache import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tokenizer_speed.json"))
     args = ap.parse_args()
     if args.model_dir is None:
-        from serving.demo_model import ensure_demo_model
+        from yieldgate.serving.demo_model import ensure_demo_model
         args.model_dir = str(ensure_demo_model())
     fast = Tokenizer.from_model_dir(args.model_dir)
     assert fast.backend == "tiktoken", fast.not_convertible_reason

@@ -41,8 +41,8 @@ import statistics
 import httpx
 import torch
 
-from serving.demo_model import ensure_demo_model
-from trainer_bridge import (
+from yieldgate.serving.demo_model import ensure_demo_model
+from yieldgate.trainer_bridge import (
     WeightSet,
     apply_staged,
     arm_engine,
@@ -51,7 +51,7 @@ from trainer_bridge import (
     stage,
     write_checkpoint,
 )
-from trainer_bridge.config import BridgeConfig
+from yieldgate.trainer_bridge.config import BridgeConfig
 
 RESULTS = Path(__file__).parent / "results"
 

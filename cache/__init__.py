@@ -4,18 +4,18 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 ``router.pick(RouteRequest(...), replicas)``, send, ``router.observe(decision)``.
 """
 
-from cache.blocks import BlockHash, BlockHashConfig, BlockHasher, pack_tokens
-from cache.chat_template import ChatTemplate, ChatTemplateError
-from cache.kv_events import (
+from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, pack_tokens
+from yieldgate.cache.chat_template import ChatTemplate, ChatTemplateError
+from yieldgate.cache.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
     KVEventSubscriberConfig, decode_batch,
 )
-from cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
-from cache.routing import (
+from yieldgate.cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
+from yieldgate.cache.routing import (
     POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
 )
-from cache.scorers import Candidate, RouteRequest, load_of, rendezvous
-from cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
+from yieldgate.cache.scorers import Candidate, RouteRequest, load_of, rendezvous
+from yieldgate.cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
 __all__ = [
     "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",

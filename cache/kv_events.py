@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from cache.blocks import BlockHash
+from yieldgate.cache.blocks import BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import msgspec
 from redis.exceptions import RedisError
 
-from cache.blocks import BlockHash
+from yieldgate.cache.blocks import BlockHash
 
 log = logging.getLogger(__name__)
 

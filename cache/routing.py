@@ -38,8 +38,8 @@ from typing import Any
 
 import msgspec
 
-from cache.blocks import BlockHash, BlockHasher, BlockHashConfig
-from cache.scorers import (
+from yieldgate.cache.blocks import BlockHash, BlockHasher, BlockHashConfig
+from yieldgate.cache.scorers import (
     Candidate, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
     RecentPicks, RoundRobinPicker, RouteContext, RouteRequest, Scorer, SessionAffinityScorer, ShareFilter, load_of,
 )

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from cache.blocks import BlockHash
+from yieldgate.cache.blocks import BlockHash
 
 
 @runtime_checkable

@@ -24,8 +24,8 @@ from typing import Any, Literal
 import tiktoken
 import tokenizers
 
-from cache.blocks import drop_oldest
-from cache.chat_template import ChatTemplate
+from yieldgate.cache.blocks import drop_oldest
+from yieldgate.cache.chat_template import ChatTemplate
 
 Backend = Literal["tiktoken", "hf"]
 
@@ -280,7 +280,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self.chat_template is None:
-            from cache.chat_template import ChatTemplateError
+            from yieldgate.cache.chat_template import ChatTemplateError
             raise ChatTemplateError("model has no chat template")
         return self.chat_template.render(messages, tools, add_generation_prompt, **template_kwargs)
 

@@ -21,8 +21,8 @@ import httpx
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from serving.demo_model import ensure_demo_model
-from trainer_bridge import (
+from yieldgate.serving.demo_model import ensure_demo_model
+from yieldgate.trainer_bridge import (
     EngineClient,
     engine_weight_version,
     push,

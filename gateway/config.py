@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import msgspec
 
-from pricing import PricingConfig
-from serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
+from yieldgate.pricing import PricingConfig
+from yieldgate.serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
 
 ENV_PREFIX = "YIELDGATE_"
 

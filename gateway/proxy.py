@@ -19,10 +19,10 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
-from pricing import ApiKey
+from yieldgate.pricing import ApiKey
 
-from serving.fleet import Fleet, Replica
-from serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
+from yieldgate.serving.fleet import Fleet, Replica
+from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
                               UpstreamResponse)
 
 from .accounting import Accounting, RequestContext, Usage

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 import redis.asyncio as aioredis
 
-from cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
+from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
                    Router, RouterConfig, SharedPrefixIndex, Tokenizer, pack_tokens)
-from serving.config import TierConfig
-from serving.fleet import Fleet, Replica
+from yieldgate.serving.config import TierConfig
+from yieldgate.serving.fleet import Fleet, Replica
 
 from .accounting import RequestContext
 from .config import Config

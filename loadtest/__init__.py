@@ -1,6 +1,6 @@
 """yieldgate load tester: seeded workloads, load models, metrics and reports over plain HTTP.
 
-    from loadtest import Target, SharedPrefixWorkload, ConcurrencyLoad, Bounds, run_load
+    from yieldgate.loadtest import Target, SharedPrefixWorkload, ConcurrencyLoad, Bounds, run_load
     result = run_load(Target(base_url="http://127.0.0.1:8080", model="demo"),
                       SharedPrefixWorkload(), ConcurrencyLoad(concurrency=8), Bounds(requests=200))
     print(result.summary.ttft_ms.p(99), result.summary.cost_per_1m_tokens)

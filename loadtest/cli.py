@@ -1,4 +1,4 @@
-"""`yieldgate loadtest` / `python -m loadtest`: run a seeded workload against one or more targets."""
+"""`yieldgate loadtest` / `python -m yieldgate.loadtest`: run a seeded workload against one or more targets."""
 
 from __future__ import annotations
 

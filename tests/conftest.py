@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.embedded import EmbeddedGateway as InProcessGateway
-from gateway.embedded import GatewayProcess, http_status, stop_process_group
+from yieldgate.gateway.embedded import EmbeddedGateway as InProcessGateway
+from yieldgate.gateway.embedded import GatewayProcess, http_status, stop_process_group
 
 ROOT = Path(__file__).resolve().parent.parent
 # YIELDGATE_TEST_PORT_BASE moves every port of the test stack (two suites on one machine).
@@ -98,7 +98,7 @@ def redis_url() -> str:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, redis_url) -> Stack:
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     reuse = os.environ.get("YIELDGATE_TEST_GATEWAY")
     if reuse:
@@ -123,7 +123,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     log_path = home / "up.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up", "--config", str(config_path)],
+        [sys.executable, "-m", "yieldgate.gateway.cli", "up", "--config", str(config_path)],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     gateway_url = f"http://127.0.0.1:{GATEWAY_PORT}"

@@ -18,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from cache import (
+from yieldgate.cache import (
     BlockHashConfig, BlockHasher, BlockStored, KVEventSubscriber, PrefixIndex, RouteRequest, Router,
     Tokenizer, decode_batch,
 )
@@ -36,7 +36,7 @@ def engine(request: pytest.FixtureRequest) -> tuple[str, str, Path]:
         url = os.environ.get("YIELDGATE_TEST_ENGINE_URL")
         if not url:
             pytest.skip("no engine: no `stack` fixture and YIELDGATE_TEST_ENGINE_URL unset")
-        from serving.demo_model import ensure_demo_model
+        from yieldgate.serving.demo_model import ensure_demo_model
         endpoint = os.environ.get("YIELDGATE_TEST_KV_EVENTS_ENDPOINT", "tcp://127.0.0.1:5557")
         return url.rstrip("/"), endpoint, Path(ensure_demo_model())
     return stack.engines["standard"].rstrip("/"), stack.kv_events_endpoint, Path(stack.model_dir)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
 
-from cache import (
+from yieldgate.cache import (
     BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router,
     SharedPrefixIndex, UnknownPolicy,
 )
@@ -56,7 +56,8 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
 
 
 def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(monkeypatch) -> None:
-    import cache.blocks
+    import yieldgate.cache.blocks
+    from yieldgate import cache
     monkeypatch.setattr(cache.blocks, "_MEMO_MAX_BLOCKS", 64)
     hasher = BlockHasher()
     prompts = [tokens(p, 8, 1) for p in range(20)]  # 160 distinct blocks through a 64-block memo
@@ -157,7 +158,7 @@ def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], session
 
 
 def test_shared_system_prompt_spreads_sessions_on_a_quiet_fleet() -> None:
-    from cache.routing import RouterConfig
+    from yieldgate.cache.routing import RouterConfig
 
     fleet = [Replica(n) for n in "abcd"]
     guarded = _shared_system_prompt_sessions(Router("cache_aware", PrefixIndex()), fleet, 40)
@@ -169,7 +170,7 @@ def test_shared_system_prompt_spreads_sessions_on_a_quiet_fleet() -> None:
 
 
 def test_one_common_header_block_does_not_outweigh_a_replicas_excess_share() -> None:
-    from cache.scorers import KVCostScorer, RouteContext
+    from yieldgate.cache.scorers import KVCostScorer, RouteContext
 
     # Nothing in flight; "a" holds a one-block common header (a date line, a cache salt) and
     # has taken twice the mean of recent picks, "b" holds nothing.
@@ -339,7 +340,7 @@ async def test_a_write_batch_leaves_redis_as_op_by_op_writes_do(redis_url: str) 
 
 async def test_kv_subscriber_applies_events_and_resyncs_after_restart() -> None:
     """A local PUB socket speaks vLLM's wire format; simulates gaps and an engine restart."""
-    from cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    from yieldgate.cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
     ctx = zmq.asyncio.Context.instance()
     pub = ctx.socket(zmq.PUB)

@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cache import Tokenizer
+from yieldgate.cache import Tokenizer
 
 CORPUS = (Path(__file__).resolve().parents[1] / "serving" / "data" / "corpus.txt").read_text()
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
@@ -114,7 +114,7 @@ def model_dir(request: pytest.FixtureRequest) -> Path:
     try:
         return Path(request.getfixturevalue("stack").model_dir)
     except pytest.FixtureLookupError:
-        from serving.demo_model import ensure_demo_model
+        from yieldgate.serving.demo_model import ensure_demo_model
         return Path(ensure_demo_model())
 
 
@@ -156,7 +156,7 @@ async def test_hf_fallback_matches_engine_tokenize(engine_url: str, model_dir: P
 def test_non_byte_level_tokenizer_falls_back_to_hf(tmp_path: Path) -> None:
     import json
 
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
     model_dir = Path(ensure_demo_model())
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     spec["normalizer"] = {"type": "Lowercase"}
@@ -169,7 +169,7 @@ def test_non_byte_level_tokenizer_falls_back_to_hf(tmp_path: Path) -> None:
 def test_segment_cache_gives_the_ids_of_an_uncached_encode() -> None:
     """Every segment between special tokens is cached, short ones included; a warm cache must
     give what the HF tokenizer gives for the whole text."""
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
     tok = Tokenizer.from_model_dir(Path(ensure_demo_model()))
     assert tok.backend == "tiktoken"
     system = "You are a helpful assistant. " * 20

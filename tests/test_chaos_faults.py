@@ -26,9 +26,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import Config
-from serving.config import FleetConfig, LaunchSpec, ReplicaConfig
-from serving.launcher import Launcher
+from yieldgate.gateway.config import Config
+from yieldgate.serving.config import FleetConfig, LaunchSpec, ReplicaConfig
+from yieldgate.serving.launcher import Launcher
 
 CHAOS_PORT = 18201
 ENGINE_ARGS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--max-num-seqs", "32",
@@ -323,7 +323,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
         httpx.post(chaos_engine.url + "/v1/completions", timeout=60,
                    json={"model": "demo", "prompt": f"{tag} {long_prompt}", "max_tokens": 1}).raise_for_status()
 
-    caplog.set_level(logging.INFO, logger="serving.upstream")
+    caplog.set_level(logging.INFO, logger="yieldgate.serving.upstream")
     fill_cache("before")
     wait_until(lambda: subscriber.events > 0, 30, "KV events from the engine before the kill")
     stop = threading.Event()

@@ -21,8 +21,8 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from gateway.config import Config, ServerConfig
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ADMIN = "chaos-admin-" + uuid.uuid4().hex[:8]
 

@@ -1,4 +1,4 @@
-from serving.demo_model import DemoModelSpec, ensure_demo_model, files_digest, make_demo_model
+from yieldgate.serving.demo_model import DemoModelSpec, ensure_demo_model, files_digest, make_demo_model
 
 
 def test_same_seed_gives_byte_identical_files(tmp_path):
@@ -23,7 +23,7 @@ def test_fleet_config_names_a_bigger_generated_model(tmp_path):
 
     import pytest
 
-    from gateway.config import ConfigError, load_config
+    from yieldgate.gateway.config import ConfigError, load_config
 
     root = Path(__file__).resolve().parents[1]
     spec = load_config(root / "examples" / "routing-fleet-kv192.toml", env={}).fleet.demo_model

@@ -18,9 +18,9 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from gateway.config import Config, ServerConfig
-from pricing import LimitsConfig, PriceBook, PricingConfig, TierPrice, Usage
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.pricing import LimitsConfig, PriceBook, PricingConfig, TierPrice, Usage
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ADMIN = "econ-admin-" + uuid.uuid4().hex[:8]
 LONG_SYSTEM = ("You are the billing assistant of the yieldgate project; answer briefly. " * 12).strip()
@@ -224,7 +224,7 @@ def test_admin_reports_need_the_admin_token(econ):
 
 
 def test_cli_keys_and_spend(econ):
-    from gateway.cli import app
+    from yieldgate.gateway.cli import app
 
     runner = CliRunner()
     opts = ["--url", econ.url, "--admin-token", ADMIN]

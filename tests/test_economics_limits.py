@@ -13,7 +13,7 @@ import pytest
 
 from test_economics_billing import ADMIN, clean_redis, economics_config
 
-from pricing import PriceBook
+from yieldgate.pricing import PriceBook
 
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Budget check, please."}], "max_tokens": 4}

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.config import FleetConfig, ReplicaConfig
-from serving.fleet import Fleet
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
+from yieldgate.serving.fleet import Fleet
 
 
 class Engine:

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from conftest import InProcessGateway
-from gateway.config import Config, LimitsConfig
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.config import Config, LimitsConfig
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "fuzz.json"
 ERROR_FIELDS = {"message", "type", "param", "code"}

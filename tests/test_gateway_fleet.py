@@ -8,9 +8,9 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.app import InsecureConfig, create_app
-from gateway.config import Config, ConfigError, load_config
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.app import InsecureConfig, create_app
+from yieldgate.gateway.config import Config, ConfigError, load_config
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 
 def dead_url() -> str:

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 
 from conftest import fake_upstream_process
-from gateway.config import Config, LimitsConfig, ServerConfig
-from serving.config import FleetConfig, ReplicaConfig, TierConfig
+from yieldgate.gateway.config import Config, LimitsConfig, ServerConfig
+from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
 
 ITL_MS = 50
 TOKENS = 8
@@ -265,7 +265,7 @@ def test_batched_histogram_observations_export_as_prometheus_observe_would():
     (gateway.metrics.CounterBatch): the exposition must equal observing each value directly."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from gateway.metrics import CounterBatch
+    from yieldgate.gateway.metrics import CounterBatch
 
     def exposition(registry: CollectorRegistry) -> list[str]:
         return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import (
+from yieldgate.loadtest import (
     AgentSessionWorkload,
     Bounds,
     CacheSalt,
@@ -218,7 +218,7 @@ def test_errors_are_counted_by_type(target):
 
 def test_cli_writes_every_output(target, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "loadtest", "-t", target.base_url, "-m", target.model, "-w", "random",
+    cmd = [sys.executable, "-m", "yieldgate.loadtest", "-t", target.base_url, "-m", target.model, "-w", "random",
            "--input-tokens", "16", "--output-tokens", "4", "-n", "4", "-c", "2", "--slo", "ttft_ms=60000",
            "--price", "input=1,output=2", "--no-progress", "-o", str(out)]
     if target.api_key:
@@ -262,7 +262,7 @@ rate = 20
 requests = 4
 """)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "loadtest", "--config", str(cfg), "--no-progress", "--no-html",
+    proc = subprocess.run([sys.executable, "-m", "yieldgate.loadtest", "--config", str(cfg), "--no-progress", "--no-html",
                            "-o", str(out)], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stderr + proc.stdout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import fake_upstream_process
-from loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
+from yieldgate.loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 
 
 def test_a_closed_loop_longer_than_the_drain_window_loses_no_request():

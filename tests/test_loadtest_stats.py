@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from loadtest import (
+from yieldgate.loadtest import (
     AgentSessionWorkload,
     Bounds,
     CodeEditWorkload,
@@ -27,8 +27,8 @@ from loadtest import (
     summarize,
     throughput_windows,
 )
-from loadtest.engine_metrics import delta, metrics_url, parse_counters
-from loadtest.price import Price
+from yieldgate.loadtest.engine_metrics import delta, metrics_url, parse_counters
+from yieldgate.loadtest.price import Price
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_sweep_schedule_and_bounds_validation():
 
 
 def test_config_file_parses_tagged_workload_and_load(tmp_path):
-    from loadtest import LoadTestConfig, PoissonLoad, SharedPrefixWorkload
+    from yieldgate.loadtest import LoadTestConfig, PoissonLoad, SharedPrefixWorkload
 
     p = tmp_path / "lt.toml"
     p.write_text("""
@@ -308,8 +308,8 @@ output = 1.5
 
 
 def _parse_stream(raw: bytes):
-    from loadtest import Outcome, Target
-    from loadtest.client import OpenAIClient
+    from yieldgate.loadtest import Outcome, Target
+    from yieldgate.loadtest.client import OpenAIClient
 
     client = OpenAIClient(Target(base_url="http://x"))
     out = Outcome(start=0.0)
@@ -341,8 +341,8 @@ def test_stream_parsing_usage_cost_and_error_events():
 
 
 def test_non_stream_body_cost_as_number():
-    from loadtest import Outcome, Target
-    from loadtest.client import OpenAIClient
+    from yieldgate.loadtest import Outcome, Target
+    from yieldgate.loadtest.client import OpenAIClient
 
     out = Outcome(start=0.0)
     OpenAIClient(Target(base_url="http://x", stream=False))._read_body(
@@ -353,10 +353,10 @@ def test_non_stream_body_cost_as_number():
 
 def test_tpot_runs_from_first_to_last_token_not_to_the_end_of_the_stream():
     # vllm bench serve's definition: the usage chunk and [DONE] after the last token are E2E only.
-    from loadtest import RandomLengthWorkload, Target
-    from loadtest.client import Outcome, _Usage
-    from loadtest.runner import Runner, _Phase
-    from loadtest.workload import Session
+    from yieldgate.loadtest import RandomLengthWorkload, Target
+    from yieldgate.loadtest.client import Outcome, _Usage
+    from yieldgate.loadtest.runner import Runner, _Phase
+    from yieldgate.loadtest.workload import Session
 
     runner = Runner(Target(base_url="http://127.0.0.1:9", model="m", stream=True),
                     RandomLengthWorkload(input_tokens=8, output_tokens=5))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from cache.blocks import pack_tokens
-from pricing import CacheAdvisor, common_prefix_len, diagnose
+from yieldgate.cache.blocks import pack_tokens
+from yieldgate.pricing import CacheAdvisor, common_prefix_len, diagnose
 
 TOOLS = [{"name": f"tool_{i}", "description": f"Does thing number {i} with care and precision.",
           "parameters": {"x": "int", "y": "string"}} for i in range(4)]
@@ -16,7 +16,7 @@ HISTORY = ["How do I sort a list in Python?", "Use sorted(xs) or xs.sort().",
 
 
 def _tokenizer():
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(ensure_demo_model() / "tokenizer.json"))

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig,
+from yieldgate.pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig,
                      Usage, WIRE_ENCODER)
 
 TOML = b'''
@@ -88,7 +88,7 @@ prices = st.decimals(min_value=0, max_value=1000, places=6, allow_nan=False, all
 @settings(max_examples=200, deadline=None)
 @given(st.lists(usages, min_size=1, max_size=20), prices, prices, prices)
 def test_cost_is_linear_and_non_negative(batch, p_in, p_cached, p_out):
-    from pricing import TierPrice
+    from yieldgate.pricing import TierPrice
     book = PriceBook(PricingConfig(models={"default": {"standard": TierPrice(p_in, p_cached, p_out)}}))
     costs = [book.cost("m", "standard", u) for u in batch]
     total_usage = batch[0]

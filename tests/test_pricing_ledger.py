@@ -15,7 +15,7 @@ from decimal import Decimal
 
 import pytest
 
-from pricing import (Ledger, LedgerRecord, PriceBook, RedisStore, SQLiteStore, StoreUnavailable,
+from yieldgate.pricing import (Ledger, LedgerRecord, PriceBook, RedisStore, SQLiteStore, StoreUnavailable,
                      Usage)
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.
@@ -90,13 +90,13 @@ async def test_concurrent_records_are_stored_exactly_once(new_store, tmp_path):
 
 
 async def test_record_before_start_raises(new_store, tmp_path):
-    from pricing import LedgerError
+    from yieldgate.pricing import LedgerError
     with pytest.raises(LedgerError):
         Ledger(new_store(), tmp_path).record(make_record(1))
 
 
 async def test_second_ledger_on_same_journal_is_refused(new_store, tmp_path):
-    from pricing import LedgerError
+    from yieldgate.pricing import LedgerError
     ledger = await started(new_store, tmp_path / "j")
     with pytest.raises(LedgerError):
         await started(new_store, tmp_path / "j")
@@ -138,7 +138,7 @@ CRASH_CHILD = r'''
 import asyncio, os, sys, time
 sys.path.insert(0, sys.argv[4])
 from test_pricing_ledger import make_record
-from pricing import Ledger, RedisStore, SQLiteStore
+from yieldgate.pricing import Ledger, RedisStore, SQLiteStore
 
 async def main():
     kind, path, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

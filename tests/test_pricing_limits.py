@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 import redis.asyncio as aioredis
 
-from pricing import (BudgetEnforcer, InsufficientQuota, InvalidApiKey, KeyNotFound, KeyStore,
+from yieldgate.pricing import (BudgetEnforcer, InsufficientQuota, InvalidApiKey, KeyNotFound, KeyStore,
                      LimiterUnavailable, PriceBook, RateLimited, RateLimiter, Usage)
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.

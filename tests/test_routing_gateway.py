@@ -10,8 +10,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.config import Config, ServerConfig
-from serving.config import FleetConfig, ReplicaConfig, TierConfig
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.config import Config
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.config import Config
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def test_public_bind_without_credentials_refuses_to_start_from_the_cli(tmp_path)
                 "YIELDGATE_SERVER__ALLOW_INSECURE_PUBLIC"):
         env.pop(key, None)
     (tmp_path / "c.toml").write_text('[fleet]\nmodel = "demo"\n[[fleet.replicas]]\nname = "a"\nurl = "http://127.0.0.1:9"\n')
-    proc = subprocess.run([sys.executable, "-m", "gateway.cli", "gateway", "--config", str(tmp_path / "c.toml")],
+    proc = subprocess.run([sys.executable, "-m", "yieldgate.gateway.cli", "gateway", "--config", str(tmp_path / "c.toml")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     message = " ".join((proc.stdout + proc.stderr).split())

@@ -8,10 +8,10 @@ import time
 import httpx
 import pytest
 
-from gateway.config import Config, LimitsConfig
-from gateway.errors import RateLimited
-from gateway.limits import StreamLimiter, stream_owner
-from serving.config import FleetConfig, ReplicaConfig
+from yieldgate.gateway.config import Config, LimitsConfig
+from yieldgate.gateway.errors import RateLimited
+from yieldgate.gateway.limits import StreamLimiter, stream_owner
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 
 def limited_config(stack, **limits) -> Config:

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from engines import start_engine, stop_engine, wait_healthy
-from trainer_bridge import EngineClient, arm_engine, engine_weight_version, push
+from yieldgate.trainer_bridge import EngineClient, arm_engine, engine_weight_version, push
 
 pytestmark = pytest.mark.engine
 
@@ -29,7 +29,7 @@ PROMPTS = [f"Once upon a time {i}" for i in range(4)]
 
 @pytest.fixture(scope="module")
 def draft_engine(tmp_path_factory):
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
     log_path = tmp_path_factory.mktemp("tb-draft") / "engine.log"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_bridge import (
+from yieldgate.trainer_bridge import (
     BridgeConfig,
     ChecksumMismatch,
     EngineClient,
@@ -33,8 +33,8 @@ from trainer_bridge import (
     stage,
 )
 from engines import start_engine, stop_engine, wait_healthy
-from trainer_bridge.checkpoint import CheckpointStore
-from trainer_bridge.rollout import EngineFleet, Rollout
+from yieldgate.trainer_bridge.checkpoint import CheckpointStore
+from yieldgate.trainer_bridge.rollout import EngineFleet, Rollout
 
 pytestmark = pytest.mark.engine
 
@@ -69,7 +69,7 @@ def _stack_engine(request) -> tuple[str, Path, str] | None:
 
 @pytest.fixture(scope="module")
 def engine(request, tmp_path_factory):
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     found = _stack_engine(request)
     proc = None
@@ -246,7 +246,7 @@ def test_update_resets_the_prefix_cache(on_base, base_weights):
 
 
 def test_checkpoint_reload_fallback(engine, on_base, base_weights, tmp_path):
-    from trainer_bridge import write_checkpoint
+    from yieldgate.trainer_bridge import write_checkpoint
 
     url, model_dir = engine
     before = text(url)
@@ -301,8 +301,9 @@ def test_vllm_trainer_factory_drives_the_yieldgate_backend(engine, on_base):
     from vllm.distributed.weight_transfer.base import ModuleSource
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    import trainer_bridge.plugin
-    from trainer_bridge.trainer_engine import YieldgateTrainerInitInfo
+    import yieldgate.trainer_bridge.plugin
+    from yieldgate import trainer_bridge
+    from yieldgate.trainer_bridge.trainer_engine import YieldgateTrainerInitInfo
 
     trainer_bridge.plugin.register()
     url, model_dir = engine

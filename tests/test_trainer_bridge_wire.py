@@ -8,16 +8,16 @@ import threading
 import pytest
 import torch
 
-from trainer_bridge import CheckpointStore, WeightSet, checkpoint_name
-from trainer_bridge.errors import ChecksumMismatch, PushRefused
-from trainer_bridge.receiver import (
+from yieldgate.trainer_bridge import CheckpointStore, WeightSet, checkpoint_name
+from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused
+from yieldgate.trainer_bridge.receiver import (
     ParamLayout,
     StagingArea,
     StagingPool,
     receive_update,
     receive_update_async,
 )
-from trainer_bridge.sender import ChunkSender, StreamTarget
+from yieldgate.trainer_bridge.sender import ChunkSender, StreamTarget
 
 
 def _weights() -> WeightSet:
@@ -206,7 +206,7 @@ def test_checkpoint_store_never_evicts_a_version_still_served(tmp_path):
 
 
 def test_swap_waves_keep_every_tier_served():
-    from trainer_bridge.rollout import swap_waves
+    from yieldgate.trainer_bridge.rollout import swap_waves
 
     # The demo fleet: one replica per tier. A lone tier borrows the other while it is out, so
     # only one of them may be out at a time.

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from serving.upstream import Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool
+from yieldgate.serving.upstream import Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool
 
 
 class Server:

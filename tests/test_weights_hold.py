@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from engines import start_engine, stop_engine, wait_healthy
-from gateway.config import Config, ServerConfig
-from gateway.embedded import EmbeddedGateway
-from serving.config import FleetConfig, ReplicaConfig
-from trainer_bridge import push
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.gateway.embedded import EmbeddedGateway
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
+from yieldgate.trainer_bridge import push
 
 pytestmark = pytest.mark.engine
 
@@ -35,7 +35,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def held_fleet(tmp_path_factory, redis_url):
     """-> (gateway URL, engine URL, model dir): one engine, a gateway holding requests for 1 s."""
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
     home = tmp_path_factory.mktemp("hold-home")

@@ -15,9 +15,9 @@ import asyncio
 
 from aiohttp import web
 
-from gateway.weights import RolloutFleet, RolloutState
-from serving.config import FleetConfig, ReplicaConfig
-from serving.fleet import Fleet
+from yieldgate.gateway.weights import RolloutFleet, RolloutState
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
+from yieldgate.serving.fleet import Fleet
 
 
 class HeldEngine:

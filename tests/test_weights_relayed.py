@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from engines import start_engine, stop_engine, wait_healthy
-from gateway.config import Config, ServerConfig
-from gateway.embedded import EmbeddedGateway
-from serving.config import FleetConfig, ReplicaConfig
-from trainer_bridge import push
-from trainer_bridge.engine_client import EngineClient
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.gateway.embedded import EmbeddedGateway
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
+from yieldgate.trainer_bridge import push
+from yieldgate.trainer_bridge.engine_client import EngineClient
 
 pytestmark = pytest.mark.engine
 
@@ -39,7 +39,7 @@ TEXTS: dict[str, str] = {}  # version -> greedy text, remembered across this mod
 @pytest.fixture(scope="module")
 def relayed_fleet(tmp_path_factory, redis_url):
     """-> (gateway URL, {replica name: engine URL}, model dir): two engines without the plugin."""
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
     home = tmp_path_factory.mktemp("relay-home")

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_bridge import PushFailed, PushFaults, push, write_checkpoint
-from trainer_bridge.push import resolve_gateway_engines
+from yieldgate.trainer_bridge import PushFailed, PushFaults, push, write_checkpoint
+from yieldgate.trainer_bridge.push import resolve_gateway_engines
 
 pytestmark = pytest.mark.engine
 

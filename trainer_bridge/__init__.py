@@ -5,10 +5,10 @@ yieldgate = trainer_bridge.plugin:register`), selected with
 `--weight-transfer-config '{"backend":"yieldgate"}'`. Trainer side: `push()` and friends below.
 """
 
-from trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
-from trainer_bridge.config import BridgeConfig
-from trainer_bridge.engine_client import EngineClient
-from trainer_bridge.errors import (
+from yieldgate.trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
+from yieldgate.trainer_bridge.config import BridgeConfig
+from yieldgate.trainer_bridge.engine_client import EngineClient
+from yieldgate.trainer_bridge.errors import (
     BridgeError,
     ChecksumMismatch,
     EngineRequestError,
@@ -17,7 +17,7 @@ from trainer_bridge.errors import (
     RolloutFailed,
     TransferError,
 )
-from trainer_bridge.push import (
+from yieldgate.trainer_bridge.push import (
     PushFaults,
     PushReport,
     apply_staged,
@@ -30,7 +30,7 @@ from trainer_bridge.push import (
     reload_from_checkpoint,
     stage,
 )
-from trainer_bridge.weights import WeightSet, checkpoint_name
+from yieldgate.trainer_bridge.weights import WeightSet, checkpoint_name
 
 __all__ = [
     "BridgeConfig",

@@ -33,10 +33,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from trainer_bridge import wire
-from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
-from trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
-from trainer_bridge.snapshot import ModelSnapshot
+from yieldgate.trainer_bridge import wire
+from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
+from yieldgate.trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
+from yieldgate.trainer_bridge.snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
-from trainer_bridge.errors import EngineRequestError, PushRefused
+from yieldgate.trainer_bridge.errors import EngineRequestError, PushRefused
 
 # Substrings of the engine's error text that mean "token refused", not "transport broke".
 _REFUSAL_MARKERS = ("push token", "not armed", "already armed")

@@ -17,8 +17,8 @@ def register() -> None:
     )
 
     for factory, module, cls in (
-        (WeightTransferEngineFactory, "trainer_bridge.engine", "YieldgateWeightTransferEngine"),
-        (WeightTransferTrainerFactory, "trainer_bridge.trainer_engine", "YieldgateTrainerWeightTransferEngine"),
+        (WeightTransferEngineFactory, "yieldgate.trainer_bridge.engine", "YieldgateWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "yieldgate.trainer_bridge.trainer_engine", "YieldgateTrainerWeightTransferEngine"),
     ):
         try:
             factory.register_engine(BACKEND, module, cls)

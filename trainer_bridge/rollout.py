@@ -32,11 +32,11 @@ from typing import Literal, Protocol, runtime_checkable
 import httpx
 import msgspec
 
-from trainer_bridge.checkpoint import CheckpointStore
-from trainer_bridge.config import BridgeConfig
-from trainer_bridge.engine_client import EngineClient, tls_context
-from trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, RolloutFailed
-from trainer_bridge.push import (
+from yieldgate.trainer_bridge.checkpoint import CheckpointStore
+from yieldgate.trainer_bridge.config import BridgeConfig
+from yieldgate.trainer_bridge.engine_client import EngineClient, tls_context
+from yieldgate.trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, RolloutFailed
+from yieldgate.trainer_bridge.push import (
     ModelLike,
     _weights,
     apply_staged,
@@ -46,7 +46,7 @@ from trainer_bridge.push import (
     reload_from_checkpoint,
     stage,
 )
-from trainer_bridge.weights import WeightSet
+from yieldgate.trainer_bridge.weights import WeightSet
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainer_bridge import wire
-from trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
-from trainer_bridge.weights import WeightSet
+from yieldgate.trainer_bridge import wire
+from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
+from yieldgate.trainer_bridge.weights import WeightSet
 
 _QUEUE_DEPTH = 2
 _SOCK_BUF = 8 << 20

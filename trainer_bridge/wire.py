@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainer_bridge.errors import TransferError
+from yieldgate.trainer_bridge.errors import TransferError
 
 HELLO_MAGIC = b"YGH1"
 SHM_HELLO_MAGIC = b"YGH2"
