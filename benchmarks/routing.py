@@ -58,13 +58,14 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cache.routing import RouterConfig  # noqa: E402
-from serving.config import kv_events_ipc  # noqa: E402
-from cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
-                             default_tokenizer, run_simulation)
-from loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad,  # noqa: E402
+from yieldgate.cache.routing import RouterConfig  # noqa: E402
+from yieldgate.serving.config import kv_events_ipc  # noqa: E402
+from yieldgate.cache.simulator import (EngineModel, PolicyResult, PromptBuilder, SimConfig, WorkloadMix,  # noqa: E402
+                             run_simulation)
+from yieldgate.gateway.simulate import demo_tokenizer  # noqa: E402
+from yieldgate.loadtest import (AgentSessionWorkload, Bounds, CacheSalt, ConcurrencyLoad,  # noqa: E402
                       SharedPrefixWorkload)
-from loadtest.stats import percentile  # noqa: E402
+from yieldgate.loadtest.stats import percentile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["round_robin", "least_loaded", "session", "cache_aware"]
@@ -78,7 +79,7 @@ DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_se
 
 # -- real fleet -----------------------------------------------------------------------------------
 
-from gateway.embedded import GatewayProcess  # noqa: E402
+from yieldgate.gateway.embedded import GatewayProcess  # noqa: E402
 
 
 # The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
@@ -112,8 +113,8 @@ def parse_policy(label: str) -> tuple[str, dict[str, float]]:
 def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: str,
                        redis_url: str = REDIS_URL, tag: str = "", data_dir: str = "") -> Any:
     """One `standard` tier with every engine as a replica."""
-    from gateway.config import Config, ServerConfig
-    from serving.config import FleetConfig, ReplicaConfig, TierConfig
+    from yieldgate.gateway.config import Config, ServerConfig
+    from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
 
     name, overrides = parse_policy(policy)
     tier = msgspec.convert({"policy": name, **overrides}, TierConfig, strict=False)
@@ -135,7 +136,7 @@ def engine_kv_blocks(url: str) -> int | None:
     """The engine's KV capacity in blocks, from vLLM's `cache_config_info` metric."""
     import urllib.request
 
-    from serving.fleet import parse_engine_metrics
+    from yieldgate.serving.fleet import parse_engine_metrics
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return parse_engine_metrics(resp.read().decode())[1]
@@ -169,7 +170,7 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
                        seed: int, tenants: int, reset_urls: list[str]) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
-    from loadtest import Runner, Target
+    from yieldgate.loadtest import Runner, Target
 
     state: dict[str, dict] = {}
     runners: list[Any] = []
@@ -458,11 +459,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "routing"))
     args = ap.parse_args(argv)
 
-    from serving.demo_model import ensure_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model
 
     policies = [p for p in args.policies.split(",") if p]
     model_path = str(ensure_demo_model())
-    tok = default_tokenizer(model_path)
+    tok = demo_tokenizer(model_path)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}

@@ -4,7 +4,7 @@ What is real and what is modelled:
 - real: ``cache.Router`` with ``build_policy`` (the gateway's policies, not a copy), a real
   ``cache.PrefixIndex`` fed exactly like the gateway feeds it (``Router.observe`` at dispatch +
   the engines' BlockStored/BlockRemoved events), ``cache.BlockHasher`` chained block hashes, the
-  real ``cache.Tokenizer`` of the served model (demo model by default) and the load tester's own
+  real ``cache.Tokenizer`` of the served model and the load tester's own
   seeded workload generators (``loadtest.workload``), rendered into chat messages the way
   ``loadtest.runner`` renders them (same cache-salt prefix, append-only history).
 - modelled: each replica is a continuous-batching engine: a step admits waiting requests FIFO
@@ -34,17 +34,15 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
-import typer
 
-from cache.blocks import BlockHash, BlockHashConfig, BlockHasher
-from cache.prefix_index import PrefixIndex, PrefixIndexConfig
-from cache.routing import Router, RouterConfig, UnknownPolicy
-from cache.scorers import RouteRequest
-from cache.tokenizer import Tokenizer
+from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher
+from yieldgate.cache.prefix_index import PrefixIndex, PrefixIndexConfig
+from yieldgate.cache.routing import Router, RouterConfig
+from yieldgate.cache.scorers import RouteRequest
+from yieldgate.cache.tokenizer import Tokenizer
 
 # Filler words for simulated assistant answers; ~0.45 words per demo-model token.
 _ANSWER_WORDS = "ok so the result is done next step we will check cache and tokens then reply".split()
@@ -587,65 +585,23 @@ class WorkloadMix:
             yield next(streams[k])
 
 
-def default_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
-    if model_dir is None:
-        from serving.demo_model import ensure_demo_model  # the served demo model by default
-        model_dir = ensure_demo_model()
-    return Tokenizer.from_model_dir(model_dir)
-
-
 def run_simulation(workload: Any, config: SimConfig = SimConfig(), tokenizer: Tokenizer | None = None,
                    prompts: PromptBuilder | None = None) -> PolicyResult:
-    """Simulate `workload` (a loadtest Workload or a WorkloadMix) under `config.policy`.
+    """Simulate `workload` (a loadtest Workload or a WorkloadMix) under `config.policy`, with the
+    served model's `tokenizer` (or a shared `prompts` builder).
 
     Deterministic: the same workload, config and tokenizer give the same result.
     """
     if prompts is None:
-        prompts = PromptBuilder(tokenizer or default_tokenizer(), config.cache_salt)
+        if tokenizer is None:
+            raise ValueError("run_simulation needs the served model's tokenizer (or a PromptBuilder)")
+        prompts = PromptBuilder(tokenizer, config.cache_salt)
     return FleetSimulator(config, workload.sessions(), prompts).run()
 
 
 def compare_policies(workload: Any, config: SimConfig, policies: Sequence[str],
-                     tokenizer: Tokenizer | None = None) -> list[PolicyResult]:
+                     tokenizer: Tokenizer) -> list[PolicyResult]:
     """The same workload and load under each policy (tokenization memo shared across runs)."""
-    prompts = PromptBuilder(tokenizer or default_tokenizer(), config.cache_salt)
+    prompts = PromptBuilder(tokenizer, config.cache_salt)
     return [run_simulation(workload, msgspec.structs.replace(config, policy=p), prompts=prompts)
             for p in policies]
-
-
-# -- CLI: `yieldgate simulate` (gateway/cli.py: app.command("simulate")(simulate_command)) ----------
-
-def simulate_command(
-    replicas: int = typer.Option(8, help="Replicas in the tier."),
-    tenants: int = typer.Option(64, help="Shared-prefix tenants."),
-    prefix_tokens: int = typer.Option(1000, help="Tenant system prefix, approximate demo-model tokens."),
-    agent_share: float = typer.Option(0.25, help="Fraction of sessions that are multi-turn agent sessions."),
-    requests: int = typer.Option(2000, help="Requests (turns) to send."),
-    rate: float = typer.Option(20.0, help="Sessions per second (Poisson)."),
-    kv_blocks: int = typer.Option(4096, help="KV cache capacity per replica, in blocks."),
-    policies: str = typer.Option("round_robin,least_loaded,session,cache_aware", help="Comma-separated."),
-    seed: int = typer.Option(0, help="Workload and arrival seed."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-) -> None:
-    """Simulate routing policies on a modelled fleet, with the gateway's own routing code."""
-    from loadtest.workload import AgentSessionWorkload, SharedPrefixWorkload
-
-    mix = WorkloadMix([
-        (SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=prefix_tokens, users_per_tenant=16,
-                              output_tokens=64, words_per_token=0.42), 1.0 - agent_share),
-        (AgentSessionWorkload(seed=seed, output_tokens=64, words_per_token=0.42), agent_share),
-    ], seed=seed)
-    cfg = SimConfig(replicas=replicas, requests=requests, rate=rate, seed=seed, session_ids=True,
-                    engine=EngineModel(kv_capacity_blocks=kv_blocks))
-    try:
-        results = compare_policies(mix, cfg, [p.strip() for p in policies.split(",") if p.strip()])
-    except UnknownPolicy as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2) from None
-    if json_out:
-        typer.echo(msgspec.json.encode(results).decode())
-        return
-    typer.echo(f"{'policy':<14}{'cached':>8}{'/oracle':>9}{'ttft p50':>10}{'ttft p90':>10}{'req/s':>8}{'max/mean':>9}")
-    for r in results:
-        typer.echo(f"{r.policy:<14}{r.cached_ratio:>8.1%}{r.ratio_to_oracle:>9.1%}{r.ttft_p50_s * 1000:>8.0f}ms"
-                   f"{r.ttft_p90_s * 1000:>8.0f}ms{r.throughput_rps:>8.1f}{r.load_max_over_mean:>9.2f}")

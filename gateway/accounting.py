@@ -32,16 +32,17 @@ import msgspec
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
-from pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, FleetCostMeter, InsufficientQuota,
+from yieldgate.pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, FleetCostMeter, InsufficientQuota,
                      InvalidApiKey, KeyStore, Ledger, LedgerConfig, LedgerError, LedgerRecord,
                      LimiterUnavailable, PriceBook, RateLimiter, RedisStore, ReplicaCost,
                      Reservation, SQLiteStore)
-from pricing import RateLimited as PricingRateLimited
-from pricing import Usage as PricedUsage
-from serving.config import home_dir
-from serving.fleet import Fleet, Replica
+from yieldgate.pricing import RateLimited as PricingRateLimited
+from yieldgate.pricing import Usage as PricedUsage
+from yieldgate.serving.config import home_dir
+from yieldgate.serving.fleet import Fleet, Replica
 
 from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnavailable
+from .http import bearer_token
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -303,7 +304,7 @@ class Accounting:
     # -- before routing ----------------------------------------------------------------------------
 
     def is_admin_token(self, token: str) -> bool:
-        return bool(self._admin_token) and hmac.compare_digest(token.encode(), self._admin_token)
+        return bool(self._admin_token and token) and hmac.compare_digest(token.encode(), self._admin_token)
 
     async def authenticate(self, request: Request) -> ApiKey | None:
         """The API key of an inference request; None for an anonymous request in open mode."""
@@ -316,7 +317,7 @@ class Accounting:
         unbudgeted). Other bearer tokens are ignored in open mode (OpenAI clients always send
         one), so anonymous requests never cost a Redis round trip."""
         header = raw.decode("latin-1") if raw else ""
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token = bearer_token(header)
         if token and self.is_admin_token(token):
             raise AuthenticationError("The admin token is not an API key.")
         if not token.startswith("yg-"):

@@ -18,17 +18,17 @@ from fastapi import APIRouter, Depends, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from pricing import KeyNotFound, UsageRow
-from pricing.keys import BudgetKind, BudgetPeriod
-from pricing.report import DIMENSIONS
+from yieldgate.pricing import KeyNotFound, UsageRow
+from yieldgate.pricing.keys import BudgetKind, BudgetPeriod
+from yieldgate.pricing.report import DIMENSIONS
 
 from .accounting import usd
 from .errors import InvalidRequest, NotFound
+from .http import decode_body, json_response
 
 if TYPE_CHECKING:
     from .app import Gateway
 
-ENCODER = msgspec.json.Encoder(decimal_format="number")
 _Positive = Annotated[int, Meta(ge=1)]
 
 
@@ -57,20 +57,6 @@ class Feedback(msgspec.Struct, forbid_unknown_fields=True):
 def plain(amount: Decimal) -> Decimal:
     """Same amount, printed without an exponent (0E-9 -> 0)."""
     return Decimal(usd(amount))
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(ENCODER.encode(data), status_code=status, media_type="application/json")
-
-
-async def decode_body(request: Request, type_: type) -> Any:
-    body = await request.body()
-    try:
-        return msgspec.json.decode(body or b"{}", type=type_)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(str(exc), code="invalid_value") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 def parse_time(value: str | None, param: str) -> float | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hmac
 import ipaddress
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator
@@ -15,10 +14,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from serving.fleet import Fleet
+from yieldgate.serving.fleet import Fleet
 
 from .accounting import Accounting
 from .admin import build_admin_router, build_feedback_router
+from .http import bearer_token
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
@@ -84,15 +84,8 @@ class Gateway:
         await self.fleet.close()
 
     def require_admin(self, request: Request) -> None:
-        token = self.config.server.admin_token
-        presented = _bearer(request)
-        if not token or not presented or not hmac.compare_digest(presented.encode(), token.encode()):
+        if not self.accounting.is_admin_token(bearer_token(request.headers.get("authorization"))):
             raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
-
-
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    return header[7:].strip() if header[:7].lower() == "bearer " else ""
 
 
 _REF = "#/components/schemas/{name}"

@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, home_dir, load_config
-from cache.simulator import simulate_command
-from loadtest.cli import loadtest
+from yieldgate.gateway.simulate import simulate_command
+from yieldgate.loadtest.cli import loadtest
 
 from .keys_cli import keys_app, spend
 
@@ -56,7 +56,7 @@ def model_make(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config: its [fleet.demo_model] shape."),
 ) -> None:
     """Write the deterministic demo model (tiny Llama + byte-level BPE) in Hugging Face format."""
-    from serving.demo_model import ensure_demo_model, files_digest, make_demo_model
+    from yieldgate.serving.demo_model import ensure_demo_model, files_digest, make_demo_model
 
     spec = _load(config).fleet.demo_model
     if seed is not None:
@@ -79,8 +79,8 @@ def up(
     port: Optional[int] = typer.Option(None, help="Gateway port (default 8000)."),
 ) -> None:
     """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
-    from serving.demo_model import ensure_demo_model
-    from serving.launcher import LaunchError, Launcher
+    from yieldgate.serving.demo_model import ensure_demo_model
+    from yieldgate.serving.launcher import LaunchError, Launcher
 
     cfg = _load(config)
     if port:

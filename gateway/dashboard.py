@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from .admin import json_response
+from .http import json_response
 from .errors import AuthenticationError
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ class Dashboard:
 
 
 def build_dashboard_router(gw: "Gateway", dashboard: Dashboard) -> APIRouter:
-    page = resources.files("gateway").joinpath("static/dashboard.html").read_bytes()
+    page = resources.files("yieldgate.gateway").joinpath("static/dashboard.html").read_bytes()
 
     def credential(request: Request) -> None:
         if not gw.config.server.require_keys:

@@ -52,9 +52,9 @@ from fastapi import APIRouter, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from serving.config import home_dir
-from serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION, Fleet as ServingFleet, Replica
-from trainer_bridge import (
+from yieldgate.serving.config import home_dir
+from yieldgate.serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION, Fleet as ServingFleet, Replica
+from yieldgate.trainer_bridge import (
     BridgeConfig,
     CheckpointStore,
     EngineClient,
@@ -64,12 +64,12 @@ from trainer_bridge import (
     reload_from_checkpoint,
     wire,
 )
-from trainer_bridge.engine_client import tls_context
-from trainer_bridge.receiver import ParamLayout, StagingArea, receive_update_async
-from trainer_bridge.rollout import Rollout, rotate_push_token, swap_waves
-from trainer_bridge.weights import WeightSet
+from yieldgate.trainer_bridge.engine_client import tls_context
+from yieldgate.trainer_bridge.receiver import ParamLayout, StagingArea, receive_update_async
+from yieldgate.trainer_bridge.rollout import Rollout, rotate_push_token, swap_waves
+from yieldgate.trainer_bridge.weights import WeightSet
 
-from .admin import decode_body, json_response
+from .http import decode_body, json_response
 from .errors import APIError, InvalidRequest, NotFound
 
 if TYPE_CHECKING:
@@ -333,7 +333,7 @@ class WeightOrchestrator:
         if self._store is None:
             model_dir = self.gw.config.fleet.model_path
             if not model_dir:
-                from serving.demo_model import ensure_demo_model
+                from yieldgate.serving.demo_model import ensure_demo_model
                 model_dir = str(ensure_demo_model(spec=self.gw.config.fleet.demo_model))
             self._store = CheckpointStore(self.root / "versions", model_dir, keep=self.bridge.keep_versions)
         return self._store

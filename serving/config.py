@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import msgspec
 
 from .demo_model import DemoModelSpec
+from .paths import home_dir  # noqa: F401  (re-exported)
 
 TIERS = ("standard", "fast")
-
-
-def home_dir() -> Path:
-    """Where yieldgate keeps generated models, engine logs and the ledger ($YIELDGATE_HOME)."""
-    return Path(os.environ.get("YIELDGATE_HOME") or Path.home() / ".cache" / "yieldgate")
 
 
 def kv_events_ipc(replica: str) -> str:

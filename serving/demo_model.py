@@ -17,6 +17,8 @@ from pathlib import Path
 
 import msgspec
 
+from .paths import home_dir
+
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 IM_START = "<|im_start|>"
@@ -64,8 +66,6 @@ class DemoModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def default_cache_dir() -> Path:
-    from .config import home_dir  # serving.config holds a DemoModelSpec itself
-
     return home_dir() / "models"
 
 
@@ -104,7 +104,7 @@ def files_digest(model_dir: Path) -> str:
 
 
 def _corpus_bytes() -> bytes:
-    return resources.files("serving").joinpath("data/corpus.txt").read_bytes()
+    return resources.files("yieldgate.serving").joinpath("data/corpus.txt").read_bytes()
 
 
 def _write_tokenizer(out: Path, spec: DemoModelSpec) -> None:

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from cache import PrefixIndex
-from cache.simulator import (EngineModel, KVCache, PromptBuilder, SimConfig, SimRequest, WorkloadMix,
-                             default_tokenizer, run_simulation)
-from loadtest import AgentSessionWorkload, SharedPrefixWorkload
+from yieldgate.cache import PrefixIndex
+from yieldgate.cache.simulator import (EngineModel, KVCache, PromptBuilder, SimConfig, SimRequest, WorkloadMix,
+                             run_simulation)
+from yieldgate.gateway.simulate import demo_tokenizer
+from yieldgate.loadtest import AgentSessionWorkload, SharedPrefixWorkload
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    return PromptBuilder(default_tokenizer())
+    return PromptBuilder(demo_tokenizer())
 
 
 def shared_prefix(seed: int = 0) -> SharedPrefixWorkload:
@@ -98,7 +99,7 @@ def test_lru_eviction_drops_oldest_unpinned_blocks_and_reports_them():
 
 
 def test_engine_events_keep_the_prefix_index_in_step_with_evictions(prompts):
-    from cache.simulator import FleetSimulator
+    from yieldgate.cache.simulator import FleetSimulator
 
     cfg = sim("cache_aware", requests=200, engine=EngineModel(kv_capacity_blocks=128))
     fleet = FleetSimulator(cfg, shared_prefix().sessions(), prompts)

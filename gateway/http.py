@@ -1,0 +1,35 @@
+"""HTTP helpers every gateway router uses: JSON answers, typed body decoding, bearer tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .errors import InvalidRequest
+
+# Money is encoded as JSON numbers printed from the exact Decimals.
+ENCODER = msgspec.json.Encoder(decimal_format="number")
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(ENCODER.encode(data), status_code=status, media_type="application/json")
+
+
+async def decode_body(request: Request, type_: type) -> Any:
+    """The request body decoded (and validated) as `type_`; an empty body is `{}`."""
+    body = await request.body()
+    try:
+        return msgspec.json.decode(body or b"{}", type=type_)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(str(exc), code="invalid_value") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def bearer_token(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header value, or ""."""
+    header = authorization or ""
+    return header[7:].strip() if header[:7].lower() == "bearer " else ""

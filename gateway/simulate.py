@@ -1,0 +1,56 @@
+"""`yieldgate simulate`: the routing simulator (cache/simulator.py) driven by the load tester's
+workload generators and the demo model's tokenizer, from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import typer
+
+from yieldgate.cache.routing import UnknownPolicy
+from yieldgate.cache.simulator import EngineModel, SimConfig, WorkloadMix, compare_policies
+from yieldgate.cache.tokenizer import Tokenizer
+from yieldgate.loadtest.workload import AgentSessionWorkload, SharedPrefixWorkload
+
+
+def demo_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of `model_dir`, or of the generated demo model the stack serves by default."""
+    if model_dir is None:
+        from yieldgate.serving.demo_model import ensure_demo_model
+        model_dir = ensure_demo_model()
+    return Tokenizer.from_model_dir(model_dir)
+
+
+def simulate_command(
+    replicas: int = typer.Option(8, help="Replicas in the tier."),
+    tenants: int = typer.Option(64, help="Shared-prefix tenants."),
+    prefix_tokens: int = typer.Option(1000, help="Tenant system prefix, approximate demo-model tokens."),
+    agent_share: float = typer.Option(0.25, help="Fraction of sessions that are multi-turn agent sessions."),
+    requests: int = typer.Option(2000, help="Requests (turns) to send."),
+    rate: float = typer.Option(20.0, help="Sessions per second (Poisson)."),
+    kv_blocks: int = typer.Option(4096, help="KV cache capacity per replica, in blocks."),
+    policies: str = typer.Option("round_robin,least_loaded,session,cache_aware", help="Comma-separated."),
+    seed: int = typer.Option(0, help="Workload and arrival seed."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Simulate routing policies on a modelled fleet, with the gateway's own routing code."""
+    mix = WorkloadMix([
+        (SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=prefix_tokens, users_per_tenant=16,
+                              output_tokens=64, words_per_token=0.42), 1.0 - agent_share),
+        (AgentSessionWorkload(seed=seed, output_tokens=64, words_per_token=0.42), agent_share),
+    ], seed=seed)
+    cfg = SimConfig(replicas=replicas, requests=requests, rate=rate, seed=seed, session_ids=True,
+                    engine=EngineModel(kv_capacity_blocks=kv_blocks))
+    try:
+        results = compare_policies(mix, cfg, [p.strip() for p in policies.split(",") if p.strip()], demo_tokenizer())
+    except UnknownPolicy as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(msgspec.json.encode(results).decode())
+        return
+    typer.echo(f"{'policy':<14}{'cached':>8}{'/oracle':>9}{'ttft p50':>10}{'ttft p90':>10}{'req/s':>8}{'max/mean':>9}")
+    for r in results:
+        typer.echo(f"{r.policy:<14}{r.cached_ratio:>8.1%}{r.ratio_to_oracle:>9.1%}{r.ttft_p50_s * 1000:>8.0f}ms"
+                   f"{r.ttft_p90_s * 1000:>8.0f}ms{r.throughput_rps:>8.1f}{r.load_max_over_mean:>9.2f}")
