@@ -10,6 +10,9 @@ from yieldgate.cache.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
     KVEventSubscriberConfig, decode_batch,
 )
+from yieldgate.cache.policies import (
+    PipelineSpec, WeightedScorer, register_filter, register_picker, register_preset, register_scorer,
+)
 from yieldgate.cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
 from yieldgate.cache.routing import (
     POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
@@ -23,5 +26,6 @@ __all__ = [
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
     "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
-    "pack_tokens", "rendezvous",
+    "pack_tokens", "rendezvous", "PipelineSpec", "WeightedScorer", "register_filter", "register_picker",
+    "register_preset", "register_scorer",
 ]

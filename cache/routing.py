@@ -39,33 +39,18 @@ from typing import Any
 import msgspec
 
 from yieldgate.cache.blocks import BlockHash, BlockHasher, BlockHashConfig
+from yieldgate.cache.policies import (  # noqa: F401  (RouterConfig, UnknownPolicy re-exported)
+    PRESETS, PipelineSpec, RouterConfig, UnknownPolicy, build_parts, preset,  # noqa: F401
+)
 from yieldgate.cache.scorers import (
-    Candidate, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
-    RecentPicks, RoundRobinPicker, RouteContext, RouteRequest, Scorer, SessionAffinityScorer, ShareFilter, load_of,
+    Candidate, Filter, Picker, RecentPicks, RouteContext, RouteRequest, Scorer, load_of,
 )
 
-POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
+POLICIES = tuple(PRESETS)  # the built-in presets; a tier may also compose its own PipelineSpec
 
 
 class NoCandidates(RuntimeError):
     """No replica to route to."""
-
-
-class UnknownPolicy(ValueError):
-    pass
-
-
-class RouterConfig(msgspec.Struct, frozen=True):
-    policy: str = "cache_aware"
-    overlap_weight: float = 1.0
-    queued_request_blocks: float = 4.0
-    spill_factor: float = 1.5
-    spill_slack: float = 2.0
-    share_factor: float = 1.15
-    share_keep_blocks: int = 16
-    share_slack: float = 4.0
-    pending_weight: float = 0.5
-    share_weight: float = 4.0
 
 
 class RouteDecision(msgspec.Struct):
@@ -81,16 +66,18 @@ class Policy:
     """filters -> weighted scorers -> picker."""
 
     def __init__(self, name: str, filters: Sequence[Filter], scorers: Sequence[tuple[Scorer, float]],
-                 picker: Picker, needs_tokens: bool = False, fallback: "Policy | None" = None) -> None:
+                 picker: Picker, needs_tokens: bool = False, fallback: "Policy | None" = None,
+                 needs_session: bool = False) -> None:
         self.name = name
         self.filters = list(filters)
         self.scorers = list(scorers)
         self.picker = picker
         self.needs_tokens = needs_tokens
-        self.fallback = fallback  # used when the request lacks what this policy keys on
+        self.needs_session = needs_session
+        self.fallback = fallback  # used when a session-keyed policy sees a request without a session
 
     def choose(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> tuple[Candidate, dict[str, float]]:
-        if self.name == "session" and not ctx.request.session_id and self.fallback is not None:
+        if self.needs_session and not ctx.request.session_id and self.fallback is not None:
             return self.fallback.choose(ctx, candidates)
         kept = list(candidates)
         for f in self.filters:
@@ -102,24 +89,14 @@ class Policy:
         return self.picker.pick(ctx, kept, scores), scores
 
 
-def build_policy(name: str, config: RouterConfig = RouterConfig()) -> Policy:
-    if name == "round_robin":
-        return Policy(name, [], [], RoundRobinPicker())
-    if name == "least_loaded":
-        return Policy(name, [], [(LoadScorer(), 1.0)], MaxScorePicker())
-    if name == "session":
-        return Policy(name, [], [(SessionAffinityScorer(), 1.0)], MaxScorePicker(),
-                      fallback=build_policy("least_loaded", config))
-    if name == "cache_aware":
-        return Policy(
-            name,
-            [HotspotFilter(config.spill_factor, config.spill_slack), ShareFilter(config.share_factor, config.share_keep_blocks, config.share_slack)],
-            [(KVCostScorer(config.overlap_weight, config.queued_request_blocks, config.pending_weight,
-                          config.share_weight), 1.0)],
-            MaxScorePicker(),
-            needs_tokens=True,
-        )
-    raise UnknownPolicy(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+def build_policy(name: str, config: RouterConfig = RouterConfig(), spec: PipelineSpec | None = None) -> Policy:
+    """The preset `name`, or the pipeline `spec` composed from registered parts (labelled `name`)."""
+    spec = spec if spec is not None else preset(name)
+    parts = build_parts(spec, config)
+    fallback = build_policy(spec.fallback, config) if spec.fallback else None
+    return Policy(name, parts.filters, parts.scorers, parts.picker, needs_tokens="tokens" in parts.needs
+                  or bool(fallback and fallback.needs_tokens), fallback=fallback,
+                  needs_session="session" in parts.needs)
 
 
 class Router:
@@ -132,8 +109,9 @@ class Router:
     """
 
     def __init__(self, policy: str | Policy = "cache_aware", index: Any = None, block_size: int = 32,
-                 hasher: BlockHasher | None = None, config: RouterConfig = RouterConfig()) -> None:
-        self.policy = policy if isinstance(policy, Policy) else build_policy(policy, config)
+                 hasher: BlockHasher | None = None, config: RouterConfig = RouterConfig(),
+                 pipeline: PipelineSpec | None = None) -> None:
+        self.policy = policy if isinstance(policy, Policy) else build_policy(policy, config, pipeline)
         self.index = index  # PrefixIndex | SharedPrefixIndex | None
         self.hasher = hasher or BlockHasher(BlockHashConfig(block_size=block_size))
         self.block_size = self.hasher.block_size

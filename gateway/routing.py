@@ -54,7 +54,8 @@ class Routing:
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
                               share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight,
                               share_weight=tier.share_weight)
-        return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config)
+        return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config,
+                      pipeline=tier.pipeline)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
         url = self.config.server.redis_url

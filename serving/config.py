@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-
 import msgspec
+
+from yieldgate.cache.policies import PipelineSpec, RouterConfig, build_parts, preset
 
 from .demo_model import DemoModelSpec
 from .paths import home_dir  # noqa: F401  (re-exported)
@@ -54,7 +55,9 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
-    policy: str = "cache_aware"   # round_robin | least_loaded | session | cache_aware
+    policy: str = "cache_aware"   # a preset: round_robin | least_loaded | session | cache_aware
+    # Or a pipeline of registered parts (cache/policies.py), labelled `policy` in metrics.
+    pipeline: PipelineSpec | None = None
     # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
     # with load > spill_factor * mean + spill_slack are skipped (see cache/routing.py).
     overlap_weight: float = 1.0
@@ -70,6 +73,10 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     pending_weight: float = 0.5
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
     share_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        # An unknown policy or part name is a config error at start-up, not at the first request.
+        build_parts(self.pipeline or preset(self.policy), RouterConfig())
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
