@@ -349,6 +349,8 @@ class Accounting:
                 max_out = ctx.max_tokens or self.config.limits.max_tokens
                 ctx.reservation = await self.budget.reserve(
                     key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out))
+                if ctx.reservation.over_soft_budget:  # a soft budget flags, never refuses
+                    self.metrics.soft_budget_exceeded.labels(key.id, key.team).inc()
         except PricingRateLimited as exc:
             raise RateLimited(
                 f"Rate limit reached for key {key.id} ({exc.limit}): retry after "

@@ -86,6 +86,9 @@ class GatewayMetrics:
         self.rejections = Counter(
             "yieldgate_rejections", "Requests refused before reaching an engine, by reason",
             ["reason"], registry=r)
+        self.soft_budget_exceeded = Counter(
+            "yieldgate_soft_budget_exceeded", "Requests served while their key is over its soft budget",
+            ["key", "team"], registry=r)
         # Inference economics. Ratios and per-1M figures are gauges refreshed at scrape time from
         # the accounting state, so the request path only bumps counters.
         self.cache_hit_ratio = Gauge(

@@ -367,6 +367,8 @@ class Proxy:
         ]
         if ctx.cost_header:
             headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
+        if ctx.reservation is not None and ctx.reservation.over_soft_budget:
+            headers.append((b"x-yieldgate-budget", b"soft-exceeded"))
         return headers
 
 
