@@ -83,7 +83,7 @@ demo_base_port = {port + 101}
             if proc.poll() is not None:
                 raise RuntimeError(f"yieldgate up exited:\n{(home / 'up.log').read_text()[-3000:]}")
             try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

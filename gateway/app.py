@@ -18,7 +18,7 @@ from yieldgate.serving.fleet import Fleet
 
 from .accounting import Accounting
 from .admin import build_admin_router, build_feedback_router
-from .http import bearer_token
+from .http import bearer_token, json_response
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
@@ -219,19 +219,35 @@ def create_app(config: Config) -> GatewayApp:
             cards.append(ModelCard(id=f"{name}:fast"))
         return Response(_encode(ModelList(data=cards)), media_type="application/json")
 
+    def tier_health() -> tuple[dict[str, dict[str, int]], list[str]]:
+        tiers = {t: {"routable": sum(r.routable for r in gw.fleet.in_tier(t)), "replicas": len(gw.fleet.in_tier(t))}
+                 for t in gw.fleet.tiers()}
+        return tiers, [t for t, h in tiers.items() if not h["routable"]]
+
     @app.get("/healthz")
     async def healthz() -> Response:
+        """Liveness: 200 while the process serves HTTP. The body says which tiers can serve:
+        "degraded" names each tier without a routable replica, "unavailable" when none has one."""
         replicas = {r.name: {"tier": r.tier, "healthy": r.healthy, "admitted": r.admitted,
                              "inflight": r.inflight, "weight_version": r.weight_version}
                     for r in gw.fleet.replicas.values()}
-        ok = any(r.routable for r in gw.fleet.replicas.values())
-        return Response(_encode({"status": "ok" if ok else "degraded", "replicas": replicas}),
-                        status_code=200 if ok else 503, media_type="application/json")
+        tiers, down = tier_health()
+        status = "ok" if not down else "unavailable" if len(down) == len(tiers) else "degraded"
+        return json_response({"status": status, "degraded_tiers": down, "tiers": tiers, "replicas": replicas})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Readiness (what a load balancer routes by): 200 only when every tier has a routable replica."""
+        tiers, down = tier_health()
+        ready = bool(tiers) and not down
+        return json_response({"ready": ready, "degraded_tiers": down, "tiers": tiers}, 200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         for r in gw.fleet.replicas.values():
             gw.metrics.replica_up.labels(r.name, r.tier).set(1 if r.routable else 0)
+        for tier in gw.fleet.tiers():
+            gw.metrics.tier_routable.labels(tier).set(sum(r.routable for r in gw.fleet.in_tier(tier)))
             gw.metrics.inflight.labels(r.name).set(r.inflight)
         return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -106,7 +106,7 @@ def up(
         signal.signal(signal.SIGTERM, previous)
         url = f"http://{cfg.server.host}:{cfg.server.port}"
         console.print(f"[green]yieldgate is up[/green]: {url}/v1  (model '{cfg.fleet.model}', "
-                      f"fast tier: '{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz")
+                      f"fast tier: '{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz   ready {url}/readyz")
         _serve(cfg)
     except LaunchError as exc:
         console.print(f"[red]{exc}[/red]")

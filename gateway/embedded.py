@@ -9,6 +9,7 @@ multi-gateway tests and for benchmarks whose load generator must not share a GIL
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -73,7 +74,7 @@ class GatewayProcess:
                                             stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout_s
-        while http_status(self.url + "/healthz") != 200:
+        while not serves_a_tier(self.url):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"gateway process did not start:\n{self.log_path.read_text()[-3000:]}")
@@ -87,6 +88,15 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+
+def serves_a_tier(url: str, timeout: float = 2.0) -> bool:
+    """True once the gateway at `url` answers /healthz with at least one tier able to serve."""
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=timeout) as resp:
+            return resp.status == 200 and json.loads(resp.read()).get("status") in ("ok", "degraded")
+    except (OSError, ValueError):
+        return False
 
 
 def http_status(url: str, timeout: float = 2.0) -> int:

@@ -71,6 +71,9 @@ class GatewayMetrics:
         self.replica_up = Gauge(
             "yieldgate_replica_up", "1 when the replica is healthy and admitted", ["replica", "tier"],
             registry=r)
+        self.tier_routable = Gauge(
+            "yieldgate_tier_routable_replicas", "Replicas of the tier that are healthy and admitted", ["tier"],
+            registry=r)
         self.retries = Counter(
             "yieldgate_upstream_retries", "Requests retried on another replica", ["tier"], registry=r)
         self.predicted_cached = Counter(

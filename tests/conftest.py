@@ -128,7 +128,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     )
     gateway_url = f"http://127.0.0.1:{GATEWAY_PORT}"
     started = time.monotonic()
-    while http_status(gateway_url + "/healthz") != 200:
+    while http_status(gateway_url + "/readyz") != 200:  # every tier can serve
         if proc.poll() is not None:
             pytest.fail(f"yieldgate up exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         if time.monotonic() - started > STARTUP_TIMEOUT_S:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import msgspec
@@ -34,6 +35,25 @@ def test_tier_without_healthy_replica_is_503(stack, gateway_factory):
     ok = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
         "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_health_names_the_tier_that_cannot_serve_and_readiness_refuses(stack, gateway_factory):
+    gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()]))
+    deadline = time.monotonic() + 30
+    while not (health := httpx.get(gw.url + "/healthz", timeout=10).json())["replicas"]["std-0"]["healthy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    # alive (200) but degraded, naming the tier; not ready: a load balancer would route elsewhere
+    assert health["status"] == "degraded" and health["degraded_tiers"] == ["fast"]
+    assert health["tiers"] == {"fast": {"routable": 0, "replicas": 1}, "standard": {"routable": 1, "replicas": 1}}
+    ready = httpx.get(gw.url + "/readyz", timeout=10)
+    assert ready.status_code == 503 and ready.json()["degraded_tiers"] == ["fast"]
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'yieldgate_tier_routable_replicas{tier="fast"} 0.0' in metrics
+    assert 'yieldgate_tier_routable_replicas{tier="standard"} 1.0' in metrics
+    # the stack itself: every tier serves
+    assert httpx.get(stack.gateway_url + "/readyz", timeout=10).status_code == 200
+    assert httpx.get(stack.gateway_url + "/healthz", timeout=10).json()["status"] == "ok"
 
 
 def test_request_to_a_dead_replica_is_retried_on_another(stack, gateway_factory):

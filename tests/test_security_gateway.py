@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from yieldgate.gateway.config import Config
+from yieldgate.gateway.embedded import serves_a_tier
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,11 +176,8 @@ def test_no_prompt_or_completion_text_in_logs(stack, tmp_path):
     try:
         deadline = time.monotonic() + 90
         while True:
-            try:
-                if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if serves_a_tier(base):
+                break
             assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
