@@ -11,7 +11,7 @@ concurrent; then A serves and B idles. Measured on A, `--samples` times per phas
 - core hop: `/weight_info` (API server -> engine core and back, what a version read pays).
 A rolling swap of a fleet with one replica per tier takes two waves one after the other, each a
 few such hops; a direct push pays them in parallel on every engine. Writes
-benchmarks/results/engine_hops-<stamp>.json.
+benchmarks/results/engine_hops.json (`--out PATH` for elsewhere).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
                   f"p50 {row['worker_hop']['p50_ms']:.1f} p90 {row['worker_hop']['p90_ms']:.1f} "
                   f"max {row['worker_hop']['max_ms']:.0f} ms | core hop p50 {row['core_hop']['p50_ms']:.1f} "
                   f"p90 {row['core_hop']['p90_ms']:.1f} max {row['core_hop']['max_ms']:.0f} ms", flush=True)
-    out = Path(args.out) if args.out else RESULTS / f"engine_hops-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out) if args.out else RESULTS / "engine_hops"
     out.with_suffix(".json").write_text(json.dumps(
         {"phases": results, "cpus": os.cpu_count(), "samples": args.samples,
          "engines": {"A": "standard-0 (the one measured)", "B": "fast-0 (ngram speculative decoding)"}},

@@ -14,7 +14,7 @@ over 8 ms in a watchdog thread that sleeps 5 ms at a time: a gap means that proc
 not run (the loop held the GIL in C code, or the core was busy elsewhere). The watchdog costs a
 little CPU itself; compare variants with each other, not with `gateway_overhead.py` figures.
 
-Writes benchmarks/results/gateway_overhead_ab-<date>.json: per variant and round the end-to-end
+Writes /tmp/yieldgate-bench/gateway_overhead_ab.json (an A/B is scratch, not a canonical result): per variant and round the end-to-end
 percentiles, gateway CPU per request, and the gaps and collector passes seen during the measured
 phase (not during start-up or warm-up).
 """
@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,7 +120,7 @@ def main() -> None:
                    help="comma-separated; NAME@LABEL runs the checkout given by --code LABEL=PATH")
     p.add_argument("--code", action="append", default=[], metavar="LABEL=PATH",
                    help="another checkout of this repository (e.g. a git worktree of the baseline commit)")
-    p.add_argument("--out", default=str(go.RESULTS / f"gateway_overhead_ab-{time.strftime('%Y%m%d')}.json"))
+    p.add_argument("--out", default="/tmp/yieldgate-bench/gateway_overhead_ab.json")
     a = p.parse_args()
     from yieldgate.serving.demo_model import ensure_demo_model
 
@@ -162,6 +161,7 @@ def main() -> None:
                       "gateway_gaps_over_8ms_median": statistics.median(len(x["gateway"]["gap_ms"]) for x in mine)}
         print(f"{v:<12} added p50 {summary[v]['added_p50_ms_median']:+.2f} ms, p99 {summary[v]['added_p99_ms_median']:+.2f} ms "
               f"(medians over rounds); gateway gaps > 8 ms per run: {summary[v]['gateway_gaps_over_8ms_median']:g}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"rate": a.rate, "seconds": a.seconds, "rounds": a.rounds,
                                        "code": {label or "(this checkout)": {"path": str(path), "commit": _commit(path)}
                                                 for label, path in {"": go.ROOT, **code}.items()},

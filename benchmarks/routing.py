@@ -14,25 +14,26 @@ tokens). The oracle for a real run is the simulator's oracle on the same salted 
 assistant answers of agent turns differ in words, not in length).
 (b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
 
-KV pressure (routing-kv192.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
+KV pressure (routing-kv192-t16.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
 demo model, every prefix fits everywhere and round robin finds ~93% of the oracle's cached tokens too.
-The kv192 run capped both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
+The kv192-t16 run caps both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
 replicas' args in routing-fleet.toml), with 16 tenants, KV events from both engines, and both engines'
 prefix caches reset before every phase (otherwise each policy's phase evicts the others' blocks,
 and each phase would start on another policy's leftovers):
     python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
         --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
-        --out benchmarks/results/routing-kv192
-routing-kv192-big: the same (round robin vs cache_aware) with a 28 MB generated model (prefill ~0.1 ms
+        --out benchmarks/results/routing-kv192-t16
+routing-kv192-t16-big: the same (round robin vs cache_aware) with a 28 MB generated model (prefill ~0.1 ms
 per token, 3x the tiny model's; same tokenizer): the fleet file examples/routing-fleet-kv192.toml
 (192 blocks per engine, `[fleet.demo_model]` with hidden 384, 4 layers).
-routing-kv192-t6 (the headline real run): that fleet with 6 tenants and 480 requests per policy and
-load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% were, and a p90 is then
+routing (the headline real run, the default --out): that fleet with 6 tenants and 480 requests per policy and
+load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% are, and a p90 is then
 a cold request's TTFT whatever the policy):
     yieldgate up -c examples/routing-fleet-kv192.toml
     python benchmarks/routing.py --no-sim --tenants 6 --shared-requests 360 --agent-requests 120 \
         --rounds 6 --cold-phases --policies round_robin,cache_aware \
-        --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing-kv192-t6
+        --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing
+routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of

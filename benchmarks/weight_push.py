@@ -17,7 +17,7 @@ The first update after engine start registers (allocates and pre-faults) the sta
 it is reported on its own and left out of the best-of-N figures.
 
     python benchmarks/weight_push.py [--hidden 1024 --layers 8 --port 21302 --repeats 3]
-Writes benchmarks/results/weight_push-<date>.json.
+Writes benchmarks/results/weight_push.json.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def main() -> None:
                  "waiting for chunks s, snapshot MB, snapshot s"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"weight_push-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = RESULTS / "weight_push.json"
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     print(f"wrote {out}")
