@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from yieldgate.gateway.config import Config, ServerConfig
+from needs import missing
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ADMIN = "chaos-admin-" + uuid.uuid4().hex[:8]
@@ -88,7 +89,7 @@ def private_redis(tmp_path):
     """A Redis of our own that the test can stop and start (append-only file: data survives)."""
     server = shutil.which("redis-server")
     if not server:
-        pytest.skip("redis-server not installed")
+        missing("redis-server not installed")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -9,6 +9,7 @@ import uuid
 import httpx
 import pytest
 
+from needs import missing
 from test_economics_billing import ADMIN, clean_redis, economics_config
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -26,9 +27,14 @@ return n;
 """
 
 
-def browser():
+@pytest.fixture(scope="session", autouse=True)
+def chromium_installed():
+    """Session-scoped so it runs before the session stack starts: without a browser, nothing to wait for."""
     if not shutil.which("chromium") or not shutil.which("chromedriver"):
-        pytest.skip("chromium / chromedriver not installed")
+        missing("chromium / chromedriver not installed")
+
+
+def browser():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -76,8 +82,11 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
             driver.save_screenshot(str(tmp_path / "dashboard.png"))
             drawn = {c: driver.execute_script(COLOURFUL_PIXELS_JS, c) for c in DATA_CHARTS}
             assert all(n > 50 for n in drawn.values()), drawn
-            kpis = driver.find_element("id", "kpis").text
-            assert "requests (since start)" in kpis and "4" in kpis
+            kpis = driver.execute_script(
+                "return Object.fromEntries([...document.querySelectorAll('#kpis .kpi')].map("
+                "k => [k.querySelector('span').textContent, k.querySelector('b').textContent]))")
+            assert kpis["requests (since start)"] == "4", kpis  # the four chats above, no more
+            assert kpis["tokens (since start)"] == str(sum(m["tokens"] for m in data["tier_mix"].values())), kpis
             assert not driver.execute_script("return document.cookie")
             assert driver.execute_script("return localStorage.length") == 0
             errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]

@@ -22,13 +22,30 @@ def engine_metric(url: str, name: str) -> float:
     return total
 
 
+def engine_usage(stack, path: str, body: dict) -> dict:
+    """The usage the standard engine itself reports for the same request, sent to it directly."""
+    resp = httpx.post(stack.engines["standard"] + path, json={"model": stack.model, **body}, timeout=60)
+    resp.raise_for_status()
+    return resp.json()["usage"]
+
+
+def cached_tokens(usage) -> int:
+    details = usage.prompt_tokens_details
+    return details.cached_tokens if details is not None else 0
+
+
 def test_chat_completion_returns_text_and_usage(client, stack):
+    # ignore_eos: the demo model samples its end-of-sequence token now and then; usage must be exact.
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "ignore_eos": True}
     raw = client.chat.completions.with_raw_response.create(
-        model=stack.model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+        model=stack.model, messages=body["messages"], max_tokens=8, extra_body={"ignore_eos": True})
     resp = raw.parse()
     assert resp.choices[0].message.content
-    assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens > 0
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0 or resp.usage.prompt_tokens_details.cached_tokens >= 0
+    engine = engine_usage(stack, "/v1/chat/completions", body)
+    assert resp.usage.prompt_tokens == engine["prompt_tokens"] > 0
+    assert resp.usage.completion_tokens == engine["completion_tokens"] == 8
+    # Shorter than one KV block (32 tokens): nothing can be served from the prefix cache.
+    assert resp.usage.prompt_tokens < 32 and cached_tokens(resp.usage) == 0
     assert resp.service_tier == "default"
     assert raw.headers["x-yieldgate-tier"] == "standard"
     assert raw.headers["x-yieldgate-replica"] == "standard-0"
@@ -48,7 +65,9 @@ def test_stream_passes_chunks_and_final_usage(client, stack):
     assert len(usage_chunks) == 1 and chunks[-1].usage is not None
     usage = usage_chunks[0].usage
     assert usage.completion_tokens == 12
-    assert usage.prompt_tokens_details.cached_tokens >= 0
+    engine = engine_usage(stack, "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "Count to ten."}], "max_tokens": 1})
+    assert usage.prompt_tokens == engine["prompt_tokens"] < 32 and cached_tokens(usage) == 0
     assert usage_chunks[0].service_tier == "default"
 
 
@@ -64,7 +83,8 @@ def test_completions_unary_and_stream(client, stack):
     resp = client.completions.create(model=stack.model, prompt="The capital of France is", max_tokens=6,
                                      extra_body={"ignore_eos": True})
     assert resp.choices[0].text and resp.usage.completion_tokens == 6
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    engine = engine_usage(stack, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 1})
+    assert resp.usage.prompt_tokens == engine["prompt_tokens"] < 32 and cached_tokens(resp.usage) == 0
     chunks = list(client.completions.create(model=stack.model, prompt="Once upon a time", max_tokens=6,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
