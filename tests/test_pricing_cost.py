@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from yieldgate.pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig,
+from yieldgate.pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig, TierPrice,
                      Usage, WIRE_ENCODER)
 
 TOML = b'''
@@ -76,7 +76,7 @@ def test_cached_above_prompt_is_rejected():
 
 def test_bad_prices_are_rejected():
     with pytest.raises(InvalidPrice):
-        PriceBook(PricingConfig(models={"default": {"standard": msgspec.convert({"input": "-1"}, type=__import__("pricing").TierPrice)}}))
+        PriceBook(PricingConfig(models={"default": {"standard": msgspec.convert({"input": "-1"}, type=TierPrice)}}))
 
 
 usages = st.builds(
