@@ -2,7 +2,8 @@
 
     POST /admin/weights            start a rollout (source "push" or {"checkpoint": PATH})
     GET  /admin/weights            per-replica versions + the current/last rollout and its timeline
-    POST /admin/weights/rollback   every replica back to N-1, rolling, in one call
+    POST /admin/weights/rollback   every replica back to what it served before, rolling, in one
+                                   call ({"to": V} names any stored version instead)
     POST /admin/weights/push       announce a push whose stream is ready: every receiver starts
                                    pulling it (what `trainer_bridge.push(gateway=URL)` calls)
     GET  /admin/weight_targets     the engine-shaped intakes to push to, one call at a time
@@ -61,6 +62,7 @@ from yieldgate.trainer_bridge import (
     EngineRequestError,
     PushRefused,
     RolloutFailed,
+    WeightHistory,
     reload_from_checkpoint,
     wire,
 )
@@ -138,7 +140,8 @@ class PushAnnounce(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class RollbackRequest(msgspec.Struct, forbid_unknown_fields=True):
-    to_version: _Version | None = None      # None = the version before the one served now
+    to: _Version | None = None              # None = what each replica served before (history)
+    to_version: _Version | None = None      # older spelling of `to`
     tier: str | None = None
 
 
@@ -182,10 +185,11 @@ class RolloutFleet:
     gateway's own count (a drained replica has no request of ours left on it)."""
 
     def __init__(self, replicas: list[Replica], state: RolloutState,
-                 serving: ServingFleet | None = None) -> None:
+                 serving: ServingFleet | None = None, history: WeightHistory | None = None) -> None:
         self.by_url = {r.url: r for r in replicas}
         self.state = state
         self.serving = serving
+        self.history = history
         self.verified: dict[str, str] = {}  # url -> engine version read by the rollout's verify
 
     def replicas(self) -> list[str]:
@@ -216,9 +220,23 @@ class RolloutFleet:
                 await self.sync_version(replica)
             r.admitted = True
             self.state.note("admitted", r.name, r.weight_version)
+            self._record(r)
         else:
             r.admitted = False
             self.state.note("drain", r.name, f"{r.inflight} in flight")
+
+    def _record(self, r: Replica) -> None:
+        """History: `r` serves its (new) label now; how its previous version's stint ended."""
+        if self.history is None:
+            return
+        version = engine_label(r.weight_version)
+        if self.state.kind == "rollback":
+            ending, reason = "rolled_back", f"rollback {self.state.id}"
+        elif version == engine_label(self.state.version):
+            ending, reason = "superseded", f"rollout {self.state.id}"
+        else:  # restored after the rollout of state.version failed; _fail adds the reason
+            ending, reason = "failed", ""
+        self.history.observe(r.name, version, ending, reason)
 
     async def inflight(self, replica: str) -> int:
         return self.by_url[replica].inflight
@@ -411,9 +429,37 @@ class WeightOrchestrator:
                          for r in self.fleet.replicas.values()},
             "rollout": self.current,
             "history": self.history[-10:],
-            "versions": [gateway_label(v) for v in self.store.versions()],
+            "versions": [gateway_label(v) for v in self.store.versions()],  # what the store holds
+            # What each replica served and how it ended; what a rollback would return to now.
+            "weight_history": self._weight_history(),
+            "rollback_to": {name: _label_or_none(self.store.rollback_target(name))
+                            for name in self.fleet.replicas},
             "dtype": self._dtype,  # the engines' serving dtype (pushes stream in it); null until known
         }
+
+    def _weight_history(self) -> list[dict[str, Any]]:
+        stored = set(self.store.versions())
+        entries = self.store.history.describe(gateway_label)
+        for entry in entries:
+            entry["stored"] = engine_label(entry["version"]) in stored
+        return entries
+
+    def _observe(self, replicas: list[Replica]) -> None:
+        """History: what each replica serves as a rollout starts (a replica served something the
+        history does not know, e.g. after an engine restart or before the first rollout)."""
+        for r in replicas:
+            self.store.history.observe(r.name, engine_label(r.weight_version), "replaced",
+                                       f"engine found serving {r.weight_version}")
+
+    def _mark_failed(self, state: RolloutState) -> None:
+        """A rollout that failed marks its version: no later rollback returns to it (unless some
+        replica serves it anyway, e.g. a re-push of the version served now failed)."""
+        version = engine_label(state.version)
+        if state.kind != "rollout" or not state.version:
+            return
+        if any(r.admitted and engine_label(r.weight_version) == version for r in self.fleet.replicas.values()):
+            return
+        self.store.history.mark(version, "failed", state.reason)
 
     def _begin(self, state: RolloutState) -> None:
         if self.current is not None and self.current.state == "running":
@@ -434,6 +480,7 @@ class WeightOrchestrator:
             self.readmit_early(intake, why)
         state.state, state.reason, state.finished_at = "failed", reason, time.time()
         state.note("failed", detail=reason)
+        self._mark_failed(state)
         self.intakes.pop(state.id, None)
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -513,6 +560,7 @@ class WeightOrchestrator:
             except Exception as exc:  # noqa: BLE001 - unreadable checkpoint: nothing was touched
                 state.state, state.reason, state.finished_at = "failed", f"{type(exc).__name__}: {exc}", time.time()
                 state.note("failed", detail=state.reason)
+                self._mark_failed(state)
                 return
             await self._run(state, replicas, weights, request, checkpoint=path)
 
@@ -527,7 +575,8 @@ class WeightOrchestrator:
         async with self.lock:
             state.state = "running"
             state.note("start", detail=f"{len(replicas)} replica(s), mode {request.mode}")
-            fleet = RolloutFleet(replicas, state, self.fleet)
+            self._observe(replicas)
+            fleet = RolloutFleet(replicas, state, self.fleet, self.store.history)
             evaluate = self._canary(request.canary, state) if request.canary else None
             rollout = GatewayRollout(fleet, self.store, state, checkpoint=checkpoint, mode=request.mode,
                                      evaluate=evaluate, config=self.bridge,
@@ -543,6 +592,7 @@ class WeightOrchestrator:
             else:
                 state.state = "succeeded"
                 state.note("succeeded")
+                self.store.history.clear([engine_label(state.version)])  # served again: fine now
             finally:
                 self._remember_token(rollout.token)
                 state.finished_at = time.time()
@@ -553,6 +603,7 @@ class WeightOrchestrator:
         state.failed_replica = fleet.by_url[url].name if url in fleet.by_url else ""
         state.note("failed", state.failed_replica, reason)
         log.error("rollout %s of %s failed: %s", state.id, state.version, reason)
+        self._mark_failed(state)
 
     def _canary(self, canary: Canary, state: RolloutState):
         model = self.gw.config.fleet.model
@@ -792,30 +843,55 @@ class WeightOrchestrator:
         intake.finishing.add_done_callback(lambda _t: setattr(intake, "staged", None))
 
     # -- rollback
-    async def rollback(self, request: RollbackRequest) -> RolloutState:
+    async def rollback(self, request: RollbackRequest) -> tuple[RolloutState, dict[str, Any]]:
+        """-> (the rollback's state, how its targets were chosen). Without `to`, each replica goes
+        back to what it served before (the history skips versions rolled back or failed)."""
         replicas = self.select(request.tier)
-        served = {engine_label(r.weight_version) for r in replicas}
         store = self.store
-        if request.to_version:
-            target = engine_label(request.to_version)
+        named = request.to or request.to_version
+        self._observe(replicas)
+        if named:
+            targets = {r.url: engine_label(named) for r in replicas}
+            if store.source(engine_label(named)) is None:
+                raise Conflict(f"no checkpoint of {named!r} (have {store.versions()})", code="no_checkpoint")
         else:
-            if len(served) != 1:
-                raise Conflict(f"replicas serve different versions {sorted(served)}; name to_version")
-            target = store.previous(served.pop()) or ""
-        source = store.source(target) if target else None
-        if source is None:
-            raise Conflict(f"no checkpoint to roll back to (have {store.versions()})", code="no_checkpoint")
-        state = RolloutState(id=_rollout_id(), kind="rollback", version=gateway_label(target),
+            found = {r.url: store.rollback_target(r.name) for r in replicas}
+            if None in found.values():
+                stuck = [r.name for r in replicas if found[r.url] is None]
+                raise Conflict(f"nothing to roll back to for {stuck}: no earlier version that was "
+                               f"neither rolled back nor failed is stored (have {store.versions()})",
+                               code="no_checkpoint")
+            targets = {url: str(v) for url, v in found.items()}
+        labels = {gateway_label(v) for v in targets.values()}
+        state = RolloutState(id=_rollout_id(), kind="rollback",
+                             version=labels.pop() if len(labels) == 1 else "per-replica",
                              source="store", mode="rolling",
                              tiers=[request.tier] if request.tier else self.fleet.tiers())
         self._begin(state)
+        answer: dict[str, Any] = {
+            "chosen_by": "request" if named else "history",
+            "targets": {r.name: gateway_label(targets[r.url]) for r in replicas}}
+        if named:
+            mark = store.history.marked(engine_label(named))
+            if mark is not None:
+                answer["notice"] = (f"{named} had been marked {mark.mark} ({mark.reason}); "
+                                    f"served again because the request named it")
         async with self.lock:
-            fleet = RolloutFleet(replicas, state)
-            rollout = GatewayRollout(fleet, store, state, checkpoint=source, config=self.bridge)
-            state.note("start", detail=f"back to {state.version}")
+            fleet = RolloutFleet(replicas, state, history=store.history)
+            rollout = GatewayRollout(fleet, store, state, checkpoint=None, config=self.bridge)
+            state.note("start", detail=f"back to {state.version} ({answer['chosen_by']})"
+                                       + (f"; {answer['notice']}" if "notice" in answer else ""))
+            # The versions left are marked now: the operator judged them bad, even if this fails.
+            for r in replicas:
+                left = engine_label(r.weight_version)
+                if left != targets[r.url]:
+                    store.history.mark(left, "rolled_back", f"rollback {state.id}")
+            store.history.clear(set(targets.values()))
             try:
                 for r in replicas:
                     # Same steps as a rolling update, from the stored checkpoint.
+                    target = targets[r.url]
+                    rollout.checkpoint = store.source(target)
                     await rollout._take_out(r.url)
                     await rollout._update(r.url, WeightSet([]), target, "")
                     await rollout._verify(r.url, target)
@@ -832,7 +908,11 @@ class WeightOrchestrator:
                 state.state = "succeeded"
                 state.note("succeeded")
             state.finished_at = time.time()
-        return state
+        return state, answer
+
+
+def _label_or_none(version: str | None) -> str | None:
+    return gateway_label(version) if version is not None else None
 
 
 def _check_pushed_version(state: RolloutState, version: str | None) -> None:
@@ -894,8 +974,8 @@ def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
     @router.post("/weights/rollback")
     async def weights_rollback(request: Request) -> Response:
         spec: RollbackRequest = await decode_body(request, RollbackRequest)
-        state = await orch.rollback(spec)
-        return json_response({"rollout": state}, 200 if state.state == "succeeded" else 500)
+        state, answer = await orch.rollback(spec)
+        return json_response({"rollout": state, **answer}, 200 if state.state == "succeeded" else 500)
 
     @router.post("/weights/push")
     async def weights_push(request: Request) -> Response:

@@ -8,6 +8,7 @@ yieldgate = trainer_bridge.plugin:register`), selected with
 from yieldgate.trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
 from yieldgate.trainer_bridge.config import BridgeConfig
 from yieldgate.trainer_bridge.engine_client import EngineClient
+from yieldgate.trainer_bridge.history import WeightHistory
 from yieldgate.trainer_bridge.errors import (
     BridgeError,
     ChecksumMismatch,
@@ -45,6 +46,7 @@ __all__ = [
     "PushReport",
     "RolloutFailed",
     "TransferError",
+    "WeightHistory",
     "WeightSet",
     "apply_staged",
     "arm_engine",

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from yieldgate.trainer_bridge.history import WeightHistory
+
 # Files copied from the base model so a saved version is a complete, loadable HF directory.
 _SIDECAR_FILES = (
     "config.json",
@@ -56,13 +58,15 @@ def write_checkpoint(
 
 
 class CheckpointStore:
-    """`root/<version>/` directories plus `root/versions.json` (oldest first)."""
+    """`root/<version>/` directories plus `root/versions.json` (oldest first) and
+    `root/history.json` (what was served, and which versions a rollback must skip)."""
 
     def __init__(self, root: str | Path, base_model_dir: str | Path, keep: int = 3) -> None:
         self.root = Path(root)
         self.base_model_dir = Path(base_model_dir)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
+        self.history = WeightHistory(self.root / "history.json")
 
     @property
     def _index(self) -> Path:
@@ -117,11 +121,19 @@ class CheckpointStore:
             return self.path(version)
         return self.base_model_dir if version == "default" else None
 
+    def rollback_target(self, replica: str) -> str | None:
+        """What a rollback of `replica` returns to (see `WeightHistory.rollback_target`)."""
+        return self.history.rollback_target(replica, lambda v: self.source(v) is not None)
+
     def _record(self, version: str, protect: Collection[str] = ()) -> None:
-        """Add `version` as the newest, then evict the oldest beyond `keep` (not `protect`ed)."""
+        """Add `version` as the newest, then evict beyond `keep`: marked versions first, then the
+        oldest; never one `protect`ed, served, or that a rollback would return to."""
         versions = [v for v in self.versions() if v != version] + [version]
         excess = len(versions) - self.keep if self.keep > 0 else 0
-        evict = [v for v in versions[:-1] if v not in protect][: max(excess, 0)]
+        pinned = set(protect) | self.history.pinned(lambda v: v in versions or v == "default")
+        candidates = sorted((v for v in versions[:-1] if v not in pinned),
+                            key=lambda v: self.history.marked(v) is None)  # stable: oldest first
+        evict = candidates[: max(excess, 0)]
         for old in evict:
             shutil.rmtree(self.path(old), ignore_errors=True)
         self._write_index([v for v in versions if v not in evict])
