@@ -80,15 +80,34 @@ async def test_unary_answers_reuse_one_connection():
 
 
 async def test_chunked_stream_arrives_piece_by_piece():
-    async with Server(_chunked) as server:
+    handed_on: asyncio.Queue[None] = asyncio.Queue()
+
+    async def paced(writer, body) -> bool:
+        # Each chunk goes out only once the client has handed on the previous one: a client that
+        # buffered to the end of the body would never see the next (the wait times out, we hang up).
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.wait_for(handed_on.get(), 5)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    async def pieces_of(resp) -> list[bytes]:
+        pieces = []
+        async for piece in resp.iter_chunks():
+            pieces.append(piece)
+            handed_on.put_nowait(None)
+        return pieces
+
+    async with Server(paced) as server:
         pool = UpstreamPool()
         resp = await pool.post(server.endpoint(), b"{}")
-        pieces = [p async for p in resp.iter_chunks()]
-        assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-        assert len(pieces) >= 2  # not buffered to the end
+        assert await pieces_of(resp) == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
         resp.release()
         resp = await pool.post(server.endpoint(), b"{}")  # the finished stream's connection is reused
-        await resp.read()
+        assert b"".join(await pieces_of(resp)) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
         resp.release()
         assert server.connections == 1
         await pool.close()
