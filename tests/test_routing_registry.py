@@ -3,20 +3,12 @@ part registered by name."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
+from test_cache_routing import Replica
 
 from yieldgate.cache import PipelineSpec, RouteRequest, Router, WeightedScorer, register_scorer
 from yieldgate.cache.routing import POLICIES
 from yieldgate.gateway.config import ConfigError, load_config
-
-
-class Replica(msgspec.Struct):
-    name: str
-    inflight: int = 0
-    num_waiting: float = 0
-    num_running: float = 0
-    kv_capacity_blocks: int | None = None
 
 
 def replicas(loads):

@@ -53,17 +53,6 @@ async def _fixed(writer, body) -> bool:
     return True
 
 
-async def _chunked(writer, body) -> bool:
-    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-    for i in range(3):
-        event = b"data: %d\n\n" % i
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
-        await asyncio.sleep(0.02)
-    writer.write(b"0\r\n\r\n")
-    return True
-
-
 async def test_unary_answers_reuse_one_connection():
     async with Server(_fixed) as server:
         pool = UpstreamPool()
