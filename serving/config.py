@@ -29,6 +29,20 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     startup_timeout_s: float = 600.0
 
 
+class SupervisionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How `yieldgate up` keeps the engines it launched running (serving/supervisor.py)."""
+
+    enabled: bool = True
+    # An engine that exits, or answers no health check for unhealthy_after_s, is restarted after
+    # a backoff doubling from backoff_initial_s up to backoff_max_s ...
+    unhealthy_after_s: float = 60.0
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    # ... at most max_restarts times in any window_s; then it stays down and says why.
+    max_restarts: int = 5
+    window_s: float = 600.0
+
+
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     tier: str = "standard"
@@ -73,6 +87,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     pending_weight: float = 0.5
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
     share_weight: float = 4.0
+    # The tier that serves this tier's requests while none of its own replicas is routable (same
+    # model); priced and labelled by the tier that served. "" = answer 503 instead.
+    fallback: str = ""
 
     def __post_init__(self) -> None:
         # An unknown policy or part name is a config error at start-up, not at the first request.
@@ -96,18 +113,25 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     health_timeouts_to_eject: int = 3
     scrape_interval_s: float = 2.0
     log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
+    supervision: SupervisionConfig = SupervisionConfig()
 
     def __post_init__(self) -> None:
         if not self.replicas:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args)
         if not self.tiers:
-            self.tiers = {t: TierConfig() for t in sorted({r.tier for r in self.replicas})}
+            present = sorted({r.tier for r in self.replicas})
+            # Same model on both tiers: each serves the other's requests while it has no replica.
+            self.tiers = {t: TierConfig(fallback=next((o for o in present if o != t), "")) for t in present}
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("replica names must be unique")
         for r in self.replicas:
             if r.tier not in TIERS:
                 raise ValueError(f"replica {r.name!r}: unknown tier {r.tier!r} (one of {TIERS})")
+        for name, tier in self.tiers.items():
+            if tier.fallback and (tier.fallback == name or tier.fallback not in TIERS):
+                raise ValueError(f"tier {name!r}: fallback must be another tier (one of {TIERS}), "
+                                 f"not {tier.fallback!r}")
         if self.health_timeouts_to_eject < 1:
             raise ValueError("health_timeouts_to_eject must be at least 1")
         if self.block_size <= 0 or self.block_size % 16:

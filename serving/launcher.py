@@ -93,8 +93,28 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def kill_group(self, timeout: float = 10.0) -> bool:
+        """SIGKILL whatever is left of the engine's process group and wait until none of it
+        remains. A dead API server leaves its EngineCore behind (reparented to init, still in the
+        group, holding memory and, until it goes, the chance of a second engine on the port).
+        -> False if a member outlived `timeout`."""
+        pgid = self.process.pid  # start_new_session: the engine leads its own group
+        deadline = time.monotonic() + timeout
+        while live_group_members(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                break
+            self.process.poll()  # reap the leader if it is ours to reap
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        self.process.poll()
+        return True
+
     def stop(self, timeout: float = 20.0) -> None:
         if self.process.poll() is not None:
+            self.kill_group()  # the leader is gone; its forked core may not be
             return
         pgid = self.process.pid  # start_new_session: the engine leads its own group
         try:
@@ -124,11 +144,13 @@ class Launcher:
 
     def start(self) -> list[EngineProcess]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for replica in self.fleet.replicas:
-            if replica.launch is None:
-                continue
-            log_path = self.log_dir / f"{replica.name}.log"
-            log = open(log_path, "ab", buffering=0)
+        self.engines = [self.spawn(r) for r in self.fleet.replicas if r.launch is not None]
+        return self.engines
+
+    def spawn(self, replica: ReplicaConfig) -> EngineProcess:
+        """Start one engine (its log is appended to: a restart's output follows the crash's)."""
+        log_path = self.log_dir / f"{replica.name}.log"
+        with open(log_path, "ab", buffering=0) as log:
             proc = subprocess.Popen(
                 engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica),
                 env=engine_env(replica),
@@ -138,9 +160,7 @@ class Launcher:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-            log.close()
-            self.engines.append(EngineProcess(replica, proc, log_path))
-        return self.engines
+        return EngineProcess(replica, proc, log_path)
 
     def wait_healthy(self, timeout: float | None = None, progress: Callable[[str, float, set[str]], None] | None = None) -> None:
         """Block until every launched engine answers /health; raise LaunchError if one dies."""
@@ -155,7 +175,7 @@ class Launcher:
                         f"engine {name} exited with code {engine.process.returncode}; "
                         f"last log lines:\n{tail(engine.log_path)}"
                     )
-                if _healthy(engine.url):
+                if answers_health(engine.url):
                     del pending[name]
             if progress:
                 progress("waiting", elapsed, set(pending))
@@ -176,9 +196,26 @@ class Launcher:
             engine.stop()
 
 
-def _healthy(url: str) -> bool:
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the process group's members that are not zombies (a zombie holds neither memory
+    nor a port, and only its parent can reap it)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # state, ppid, pgrp, ... after "(comm)"
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def answers_health(url: str, timeout: float = 2.0) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
             return resp.status == 200
     except OSError:
         return False
