@@ -21,7 +21,7 @@ load in the same run: one just before and one just after each round of rollouts 
 every replica serves at that moment, re-pushed under the version they already serve, after one
 untimed warm-up push), so none changes what any response says and slow drift of the machine's
 load hits raw pushes and rollouts alike (`--no-interleave`: `--direct-pushes` before all rounds
-and as many after them, the method of the runs before 2026-12-01 s8). The ratio is
+and as many after them). The ratio is
 median(time to 100% new) / median(raw transfer), per mode; both come with their interquartile
 range (this machine's run-to-run noise is large: read the ratio with them). The fleet is rolled
 back to the version it served before. Writes benchmarks/results/rollout[-big].json and .png.

@@ -1,19 +1,9 @@
 """Which prefix blocks each replica likely holds in its KV cache.
 
-Two feeds write the same per-replica LRU of external block hashes:
-- approximate: ``record(replica, hashes)`` after the gateway routes a request
-  there (the engine will cache those blocks), with LRU eviction sized from the
-  replica's KV capacity in blocks so the index forgets what the engine evicts;
-- precise: ``store`` / ``remove`` / ``clear`` from the engine's KV events
-  (``cache.kv_events.KVEventSubscriber``).
-
-``match(hashes)`` counts, per replica, the leading blocks it holds: hashes are
-chained, so block i is only reusable when blocks 0..i-1 are too.
-
-``SharedPrefixIndex`` makes the index common to several gateway processes:
-every change is applied locally (the hot path never waits on Redis), written
-through to one Redis sorted set per replica (snapshot for gateways that start
-later) and published on a channel that the other gateways apply.
+A per-replica LRU of block hashes, fed by the gateway's own routing decisions (`record`) and by
+the engines' KV events (`store` / `remove` / `clear`); `match(hashes)` counts each replica's
+leading cached blocks. `SharedPrefixIndex` shares it between gateways through Redis (write-through
+snapshot + a change channel; the hot path never waits on Redis). See docs/routing.md.
 """
 
 from __future__ import annotations

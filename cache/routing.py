@@ -1,34 +1,9 @@
 """Routing policies: which replica serves a request.
 
-Policies (``Router(policy_name, ...)``), each a pipeline of cache.scorers parts:
-
-- ``round_robin``: rotate over replicas.
-- ``least_loaded``: lowest ``load = max(gateway in-flight, running + waiting)``.
-- ``session``: sticky by session id (request ``user`` or ``x-session-id``) with
-  rendezvous hashing; requests without a session go least-loaded.
-- ``cache_aware``: NVIDIA Dynamo's KV-router cost, lowest wins::
-
-      cost(r) = overlap_weight * (B + 1 - cached_blocks(r)) + queued_request_blocks * load(r)
-
-  ``B`` = the request's full blocks (+1 for the partial tail, always computed),
-  ``cached_blocks(r)`` = leading blocks the prefix index says ``r`` holds,
-  ``load(r)`` as above. Each cached block saves one block of prefill; each
-  request queued ahead costs about ``queued_request_blocks`` blocks of work.
-  Hot-spot guard first: replicas with ``load > spill_factor * mean_load +
-  spill_slack`` are filtered out, so a hot prefix spills to other replicas
-  (which then cache it too) instead of piling onto one. Share guard second: a replica
-  that took more than ``max(share_factor * mean, mean + share_slack)`` of the router's
-  recent picks (decayed counts) is dropped unless it saves at least ``share_keep_blocks``
-  blocks over the best replica within its share. In-flight load is ~0 on a quiet fleet,
-  so without this a prefix every session shares (one agent system prompt) pulls all new
-  sessions to the first replica that cached it; long cached contexts still stay home.
-  A soft share term adds ``share_weight`` blocks per unit of share above the mean to the
-  cost, so a one-block common header (a date line, a salt) no longer pulls every new prefix
-  to the same replica on a fleet where nothing queues. Ties (e.g. a new prefix on an idle
-  fleet) go to the least recently picked replica.
-
-Only ``cache_aware`` needs token ids (``policy.needs_tokens``): the gateway
-tokenizes only when it is True.
+`Router(policy, index, ...)` runs a tier's pipeline of registered parts (cache/policies.py,
+cache/scorers.py): the presets `round_robin`, `least_loaded`, `session` and `cache_aware`
+(Dynamo's KV-router cost with hot-spot and share guards). Only policies that key on tokens make
+the gateway tokenize. The cost model and its guards: docs/routing.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Discrete-event fleet simulator: the gateway's routing code on N modelled vLLM replicas.
 
-What is real and what is modelled:
-- real: ``cache.Router`` with ``build_policy`` (the gateway's policies, not a copy), a real
-  ``cache.PrefixIndex`` fed exactly like the gateway feeds it (``Router.observe`` at dispatch +
-  the engines' BlockStored/BlockRemoved events), ``cache.BlockHasher`` chained block hashes, the
-  real ``cache.Tokenizer`` of the served model and the load tester's own
-  seeded workload generators (``loadtest.workload``), rendered into chat messages the way
-  ``loadtest.runner`` renders them (same cache-salt prefix, append-only history).
-- modelled: each replica is a continuous-batching engine: a step admits waiting requests FIFO
-  (up to ``max_running`` and ``max_batched_tokens`` of uncached prefill) and decodes one token
-  for every running request; step time = ``step_s + prefill_s_per_token * uncached tokens +
-  context_s_per_token * cached tokens + decode_s_per_seq * running``. The KV cache holds
-  ``kv_capacity_blocks`` blocks: blocks of running requests are pinned, finished requests'
-  prompt blocks stay cached and are evicted LRU (tail first, as vLLM frees them) when space is
-  needed. Like vLLM, blocks are cached when a
-  request is scheduled, the last prompt token is never a cache hit, and generated tokens are
-  not reused (the next turn re-tokenizes the answer).
-- assistant answers of multi-turn sessions are deterministic filler text of about ``max_tokens``
-  tokens (seeded by session and turn): the real model's words differ, their length does not.
-
-Oracle: the cached tokens a single cache of infinite capacity would give the same request
-sequence (each request hits the longest block prefix sent by *any* earlier request, minus
-vLLM's last-token rule). No router on any fleet can beat it, so ``cached / oracle`` is the
-fraction of the achievable prefix reuse a policy captures.
+Real: `cache.Router`, `PrefixIndex`, `BlockHasher`, the served model's tokenizer and the load
+tester's seeded workloads. Modelled: each replica's continuous batching, step time and LRU KV
+cache. `cached / oracle` is the share of achievable prefix reuse a policy captures. Method and
+model: docs/routing.md#simulator.
 """
 
 from __future__ import annotations

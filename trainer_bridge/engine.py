@@ -1,19 +1,10 @@
 """The `yieldgate` weight-transfer backend: the engine-side half, loaded inside vLLM workers.
 
-vLLM drives it through its own dev-mode endpoints (`/init_weight_transfer_engine`,
-`/start_weight_update`, `/update_weights`, `/finish_weight_update`). Each `/update_weights` call
-is one transaction: a background thread streams chunks into the staging buffers and verifies
-them, while the worker loads every parameter as soon as it is complete and verified. The worker
-is inside the call the whole time, so no forward pass runs on half-loaded weights; a failure at
-any point (a late chunk's checksum, a broken stream, load_weights itself) puts the snapshot of
-the old weights back (`ModelSnapshot`) before the call returns, so they serve exactly as before.
-
-A transaction can also be split in two (`phase`): "stage" returns at once and receives + verifies
-in a background thread while the engine keeps serving; "apply" (same session) waits for it and
-loads. A rollout stages every replica in parallel and only drains a replica for the short apply.
-Staging memory is registered once (`StagingPool`) and reused by every later update; it is a
-memfd, so a trainer on the same host (same user) writes chunks straight into it and sends only
-their signed headers (see `wire`); the engine verifies every chunk either way.
+vLLM drives it through its dev-mode weight-transfer endpoints. An update streams verified chunks
+into registered staging memory (a memfd a same-host trainer writes into directly) and loads each
+parameter once complete; it can be staged while serving and applied later on a drained engine.
+Any failure puts the snapshot of the old weights back before the engine serves again. See
+docs/weights.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """The data-plane framing shared by the sender (trainer) and the receiver (engine worker).
 
-Shaped like an RDMA one-sided write: the receiver pre-allocates a staging buffer for every
-parameter from the metadata sent on the control plane; each chunk header names the parameter,
-the byte offset and length inside it, a checksum of the payload and an authentication tag. The
-receiver reads the payload straight into the named buffer slice (no intermediate copy).
-
-    engine -> trainer   HELLO  magic "YGH1" | session (16 bytes)
-                        or "YGH2" | session | SHM offer (below)
-    trainer -> engine   CHUNK  header (40 bytes) | payload (length bytes)      ... repeated
-                        or header with magic "YGS1" and no payload: the bytes are already in place
-    trainer -> engine   END    header with param == END_PARAM, offset == total bytes
-    engine -> trainer   STATUS "YGOK" | "YGNO" u32 len, utf-8 reason
-
-Same host, same user: the engine's staging arena is a memfd, and the offer names it
-(`/proc/<pid>/fd/<n>`), with a random cookie written at its start and each parameter's offset in
-it. A trainer that can open it and reads the cookie there writes every chunk's payload straight
-into the engine's staging buffer (a one-sided write, as vLLM's CUDA IPC path for colocated
-trainers) and sends only the signed header; the engine checksums the bytes in place as always.
-Any other trainer ignores the offer and streams over the socket.
-
-    SHM offer           cookie (16) | u32 path length | path | u32 n | n x u64 offsets
+Shaped like an RDMA one-sided write: chunk headers name a parameter, an offset, a length, a
+checksum and an authentication tag, and the receiver reads each payload straight into that
+parameter's staging buffer. The messages, and the same-host memfd offer: docs/weights.md#wire-framing.
 """
-
 from __future__ import annotations
 
 import hashlib
