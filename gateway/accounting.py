@@ -43,6 +43,7 @@ from yieldgate.serving.fleet import Fleet, Replica
 
 from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnavailable
 from .http import bearer_token
+from .context import RequestContext, Usage
 from .metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -59,65 +60,6 @@ REDIS_CONNECTIONS = 32
 
 
 ADVISOR_SAMPLE = 8  # one session-less request in 8 goes through the cache advisor
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-    @classmethod
-    def from_wire(cls, usage: Any) -> "Usage":
-        if not isinstance(usage, dict):
-            return cls()
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        return cls(int(usage.get("prompt_tokens") or 0), int(cached or 0),
-                   int(usage.get("completion_tokens") or 0))
-
-
-@dataclass(slots=True)
-class RequestContext:
-    request_id: str
-    kind: str
-    model: str
-    tier: str
-    started: float
-    stream: bool = False
-    session_id: str = ""
-    key: ApiKey | None = None
-    max_tokens: int | None = None
-    typed: Any = None                       # the validated request (prompt size estimates)
-    prompt_tokens: list[int] | None = None  # set by routing when it tokenized the prompt
-    prompt_packed: bytes | None = None      # the same ids as little-endian int32s (cache.blocks.pack_tokens)
-    route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
-    decision: Any = None  # cache.RouteDecision of the current try (released by gateway.routing)
-    replica: Replica | None = None
-    predicted_cached_tokens: int = 0
-    ttft: float | None = None
-    chunks: int = 0
-    finished: bool = False
-    status: str = ""
-    cost_header: str = ""
-    reservation: Reservation | None = None
-    rate_tokens: int = 0                    # tokens already counted against the key's TPM
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def replica_name(self) -> str:
-        return self.replica.name if self.replica else ""
-
-    @property
-    def weight_version(self) -> str:
-        return self.replica.weight_version if self.replica else ""
-
-    def bind(self, replica: Replica, predicted_cached_tokens: int) -> None:
-        self.replica = replica
-        self.predicted_cached_tokens = predicted_cached_tokens
-
-    def first_byte(self) -> None:
-        self.ttft = time.perf_counter() - self.started
 
 
 @dataclass(slots=True)
@@ -347,8 +289,11 @@ class Accounting:
                 await self.limiter.acquire(key, ctx.rate_tokens)
             if key.budget_usd is not None:
                 max_out = ctx.max_tokens or self.config.limits.max_tokens
+                # Reserve enough for the tier that may serve it instead (failover), if dearer.
+                tiers = {ctx.tier, self.config.fleet.tier(ctx.tier).fallback} - {""}
                 ctx.reservation = await self.budget.reserve(
-                    key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out))
+                    key, max((self.price_book.max_cost(ctx.model, t, upper, max_out) for t in tiers),
+                             key=lambda c: c.total))
                 if ctx.reservation.over_soft_budget:  # a soft budget flags, never refuses
                     self.metrics.soft_budget_exceeded.labels(key.id, key.team).inc()
         except PricingRateLimited as exc:
@@ -407,7 +352,8 @@ class Accounting:
             self.ledger.record(LedgerRecord.priced(
                 request_id=ctx.request_id, usage=priced, cost=cost,
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
-                tier=ctx.tier, replica=ctx.replica_name, weight_version=ctx.weight_version,
+                tier=ctx.tier, requested_tier=ctx.requested_tier,
+                replica=ctx.replica_name, weight_version=ctx.weight_version,
                 session_id=ctx.session_id or None,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
                 latency_ms=round(latency * 1000, 3), status=status))

@@ -105,9 +105,12 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
 
     @router.get("/fleet")
     async def fleet() -> dict:
+        engines = gw.engine_status()  # launched engines: supervisor state, restarts, why down
         return {name: {"tier": r.tier, "url": r.url, "healthy": r.healthy, "admitted": r.admitted,
+                       "restoring": r.restoring, "note": r.note,
                        "inflight": r.inflight, "weight_version": r.weight_version,
-                       "kv_capacity_blocks": r.kv_capacity_blocks, "engine_metrics": r.engine_metrics}
+                       "kv_capacity_blocks": r.kv_capacity_blocks, "engine_metrics": r.engine_metrics,
+                       **({"engine": engines[name]} if name in engines else {})}
                 for name, r in gw.fleet.replicas.items()}
 
     # -- API keys --------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from yieldgate.serving.fleet import Fleet
+from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
 from .admin import build_admin_router, build_feedback_router
@@ -57,9 +58,13 @@ def check_exposure(config: Config) -> None:
 class Gateway:
     """Everything the app holds while it runs."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, supervisor: Supervisor | None = None):
         self.config = config
         self.metrics = GatewayMetrics()
+        self.supervisor = supervisor  # the engines `yieldgate up` launched and keeps running
+        self._down_reason: dict[str, str] = {}
+        if supervisor is not None:
+            supervisor.on_event = self._engine_event
         self.fleet = Fleet(config.fleet)
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet)
@@ -82,6 +87,16 @@ class Gateway:
         await self.dashboard.close()
         await self.accounting.close()
         await self.fleet.close()
+
+    def _engine_event(self, replica: str, event: str, detail: str) -> None:
+        """From the supervisor's thread: count restarts by what brought the engine down."""
+        if event in ("exited", "unhealthy"):
+            self._down_reason[replica] = event
+        elif event == "restarted":
+            self.metrics.engine_restarts.labels(replica, self._down_reason.get(replica, "unknown")).inc()
+
+    def engine_status(self) -> dict[str, dict[str, Any]]:
+        return self.supervisor.status() if self.supervisor is not None else {}
 
     def require_admin(self, request: Request) -> None:
         if not self.accounting.is_admin_token(bearer_token(request.headers.get("authorization"))):
@@ -148,9 +163,9 @@ def server_config(asgi: Any, config: Config, **overrides: Any) -> "uvicorn.Confi
     return uvicorn.Config(asgi, **(options | overrides))
 
 
-def create_app(config: Config) -> GatewayApp:
+def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayApp:
     check_exposure(config)
-    gw = Gateway(config)
+    gw = Gateway(config, supervisor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -219,27 +234,39 @@ def create_app(config: Config) -> GatewayApp:
             cards.append(ModelCard(id=f"{name}:fast"))
         return Response(_encode(ModelList(data=cards)), media_type="application/json")
 
-    def tier_health() -> tuple[dict[str, dict[str, int]], list[str]]:
-        tiers = {t: {"routable": sum(r.routable for r in gw.fleet.in_tier(t)), "replicas": len(gw.fleet.in_tier(t))}
-                 for t in gw.fleet.tiers()}
+    def tier_health() -> tuple[dict[str, dict[str, Any]], list[str]]:
+        """Per tier: routable replicas, and which tier serves its requests now (its own, its
+        fallback's, or none)."""
+        tiers: dict[str, dict[str, Any]] = {}
+        for t in gw.fleet.tiers():
+            own = gw.fleet.in_tier(t)
+            routable = sum(r.routable for r in own)
+            served_by = t if routable else (gw.fleet.fallback(t)[0] if gw.fleet.fallback(t)[1] else None)
+            tiers[t] = {"routable": routable, "replicas": len(own), "served_by": served_by}
         return tiers, [t for t, h in tiers.items() if not h["routable"]]
 
     @app.get("/healthz")
     async def healthz() -> Response:
         """Liveness: 200 while the process serves HTTP. The body says which tiers can serve:
-        "degraded" names each tier without a routable replica, "unavailable" when none has one."""
+        "degraded" names each tier without a routable replica, "unavailable" when no tier can
+        serve at all (own replicas or fallback)."""
+        engines = gw.engine_status()
         replicas = {r.name: {"tier": r.tier, "healthy": r.healthy, "admitted": r.admitted,
-                             "inflight": r.inflight, "weight_version": r.weight_version}
+                             "restoring": r.restoring, "inflight": r.inflight,
+                             "weight_version": r.weight_version, "note": r.note,
+                             **({"engine": engines[r.name]} if r.name in engines else {})}
                     for r in gw.fleet.replicas.values()}
         tiers, down = tier_health()
-        status = "ok" if not down else "unavailable" if len(down) == len(tiers) else "degraded"
+        stranded = [t for t in down if tiers[t]["served_by"] is None]
+        status = "ok" if not down else "unavailable" if len(stranded) == len(tiers) else "degraded"
         return json_response({"status": status, "degraded_tiers": down, "tiers": tiers, "replicas": replicas})
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        """Readiness (what a load balancer routes by): 200 only when every tier has a routable replica."""
+        """Readiness (what a load balancer routes by): 200 when every tier's requests can be
+        served, by its own replicas or its fallback tier's; the body names degraded tiers."""
         tiers, down = tier_health()
-        ready = bool(tiers) and not down
+        ready = bool(tiers) and all(h["served_by"] is not None for h in tiers.values())
         return json_response({"ready": ready, "degraded_tiers": down, "tiers": tiers}, 200 if ready else 503)
 
     @app.get("/metrics")

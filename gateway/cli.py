@@ -36,13 +36,13 @@ def _load(config_path: Optional[Path]) -> Config:
         raise typer.Exit(2) from None
 
 
-def _serve(config: Config) -> None:
+def _serve(config: Config, supervisor=None) -> None:
     import uvicorn
 
     from .app import InsecureConfig, create_app, server_config
 
     try:
-        asgi = create_app(config)
+        asgi = create_app(config, supervisor=supervisor)
     except InsecureConfig as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
@@ -81,6 +81,7 @@ def up(
     """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
     from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.launcher import LaunchError, Launcher
+    from yieldgate.serving.supervisor import Supervisor
 
     cfg = _load(config)
     if port:
@@ -92,6 +93,7 @@ def up(
     cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
     launcher = Launcher(cfg.fleet, model_path, log_dir)
+    supervisor: Supervisor | None = None
 
     def _terminate(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl-C
         raise KeyboardInterrupt
@@ -103,11 +105,14 @@ def up(
             console.print(f"engine {e.replica.name} ({e.replica.tier}) pid {e.process.pid} "
                           f"{e.url}  log: {e.log_path}")
         _wait_with_progress(launcher)
+        if cfg.fleet.supervision.enabled:  # from now on a crashed engine is restarted
+            supervisor = Supervisor(launcher, cfg.fleet.supervision, cfg.fleet.health_timeout_s)
+            supervisor.start()
         signal.signal(signal.SIGTERM, previous)
         url = f"http://{cfg.server.host}:{cfg.server.port}"
         console.print(f"[green]yieldgate is up[/green]: {url}/v1  (model '{cfg.fleet.model}', "
                       f"fast tier: '{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz   ready {url}/readyz")
-        _serve(cfg)
+        _serve(cfg, supervisor)
     except LaunchError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
@@ -115,6 +120,8 @@ def up(
         pass
     finally:
         console.print("stopping engines ...")
+        if supervisor is not None:  # first, so nothing is restarted while the engines stop
+            supervisor.stop()
         launcher.stop()
 
 

@@ -74,6 +74,12 @@ class GatewayMetrics:
         self.tier_routable = Gauge(
             "yieldgate_tier_routable_replicas", "Replicas of the tier that are healthy and admitted", ["tier"],
             registry=r)
+        self.failovers = Counter(
+            "yieldgate_tier_failovers", "Requests served by another tier while theirs had no routable replica",
+            ["requested_tier", "served_tier"], registry=r)
+        self.engine_restarts = Counter(
+            "yieldgate_engine_restarts", "Launched engines restarted by the supervisor", ["replica", "reason"],
+            registry=r)
         self.retries = Counter(
             "yieldgate_upstream_retries", "Requests retried on another replica", ["tier"], registry=r)
         self.predicted_cached = Counter(

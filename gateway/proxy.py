@@ -25,7 +25,8 @@ from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
                               UpstreamResponse)
 
-from .accounting import Accounting, RequestContext, Usage
+from .accounting import Accounting
+from .context import RequestContext, Usage
 from .config import Config
 from .errors import (APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ServiceUnavailable,
                      UpstreamError, error_body, param_from_msgspec)
@@ -173,7 +174,17 @@ class Proxy:
                         f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
                         code="weight_swap_in_progress", headers={"retry-after": "1"})
                 routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
-            candidates = [r for r in routable if r.name not in failed] or routable
+            candidates = [r for r in routable if r.name not in failed]
+            if not candidates:
+                # None of the tier's replicas can take it (down, or failed this request): its
+                # fallback tier serves it, priced and labelled as that tier.
+                served_by, spare = self.fleet.fallback(ctx.tier)
+                candidates = [r for r in spare if r.name not in failed]
+                if candidates:
+                    ctx.serve_from(served_by)
+                    self.accounting.metrics.failovers.labels(ctx.requested_tier, served_by).inc()
+                else:
+                    candidates = routable
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
@@ -203,7 +214,10 @@ class Proxy:
                             type(exc).__name__, exc)
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
-        raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'.")
+        fallback = self.config.fleet.tier(ctx.tier).fallback
+        raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'"
+                                 + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
+                                 headers={"retry-after": "1"})
 
     def _endpoint(self, replica: Replica, kind: str) -> Endpoint:
         """The upstream URL, parsed once per replica and path."""
@@ -365,6 +379,8 @@ class Proxy:
             (b"x-yieldgate-weight-version", ctx.weight_version.encode("latin-1")),
             (b"x-yieldgate-predicted-cached-tokens", b"%d" % ctx.predicted_cached_tokens),
         ]
+        if ctx.requested_tier:
+            headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))
         if ctx.cost_header:
             headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
         if ctx.reservation is not None and ctx.reservation.over_soft_budget:

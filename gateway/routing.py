@@ -18,7 +18,7 @@ from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, 
 from yieldgate.serving.config import TierConfig
 from yieldgate.serving.fleet import Fleet, Replica
 
-from .accounting import RequestContext
+from .context import RequestContext
 from .config import Config
 
 log = logging.getLogger("yieldgate.routing")
@@ -131,6 +131,10 @@ class Routing:
         decision, router = ctx.decision, self.routers.get(ctx.tier)
         if decision is not None and router is not None:
             router.release(decision)
+
+    def forget(self, replica: str) -> None:
+        """The replica's engine restarted: nothing it cached before is there any more."""
+        self.index.clear(replica)
 
     def stats(self) -> dict[str, Any]:
         s = self.index.stats()

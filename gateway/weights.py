@@ -154,7 +154,7 @@ class TimelineEvent(msgspec.Struct):
 
 class RolloutState(msgspec.Struct):
     id: str
-    kind: Literal["rollout", "rollback"]
+    kind: Literal["rollout", "rollback", "restore"]  # restore: a restarted engine gets its weights back
     version: str
     source: str                             # "push" | "checkpoint:<path>" | "store"
     mode: str
@@ -218,7 +218,7 @@ class RolloutFleet:
                 r.label_weights(gateway_label(self.verified.pop(replica)))
             else:
                 await self.sync_version(replica)
-            r.admitted = True
+            r.admitted, r.note = True, ""
             self.state.note("admitted", r.name, r.weight_version)
             self._record(r)
         else:
@@ -377,7 +377,40 @@ class WeightOrchestrator:
             (self.root / "engine_push_token").write_text(token)
 
     def start(self) -> None:
+        self.fleet.restore = self.restore
         self._spawn(self._warm_dtype())
+
+    async def restore(self, replica: Replica, found: str) -> None:
+        """`replica` came back serving `found` instead of its labelled version (its engine
+        restarted): reload the labelled version from the store before it takes traffic again.
+        Raises (the fleet keeps the replica out, saying why) when the store does not hold it."""
+        async with self.lock:  # after any rollout in progress, which may relabel the replica
+            self._armed.pop(replica.url, None)  # a new engine process holds no push token
+            found = gateway_label(await asyncio.to_thread(_engine_version, replica.url))
+            want = replica.weight_version
+            if found == want:
+                return
+            source = self.store.source(engine_label(want))
+            if source is None:
+                raise RuntimeError(f"it served {want} before its engine restarted and the store "
+                                   f"does not hold {want} (has {self.store.versions()}); push or "
+                                   f"roll back to put it back in service")
+            state = RolloutState(id=_rollout_id(), kind="restore", version=want, source="store",
+                                 mode="rolling", tiers=[replica.tier])
+            state.state = "running"
+            state.note("start", replica.name, f"engine restarted serving {found}; reloading {want}")
+            self.history.append(state)
+            await asyncio.to_thread(reload_from_checkpoint, replica.url, source, engine_label(want))
+            served = gateway_label(await asyncio.to_thread(_engine_version, replica.url))
+            if served != want:
+                state.state, state.reason = "failed", f"engine reports {served} after reloading {want}"
+                raise RuntimeError(state.reason)
+            replica.label_weights(want)
+            replica.note = ""
+            self.gw.routing.forget(replica.name)  # the new process's KV cache is empty
+            state.state, state.finished_at = "succeeded", time.time()
+            state.note("succeeded", replica.name, want)
+            log.warning("replica %s: restored %s after an engine restart", replica.name, want)
 
     async def _warm_dtype(self) -> None:
         """Ask the serving dtype as soon as a replica is up, not at the first push: an engine's

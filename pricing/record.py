@@ -20,7 +20,8 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     key_id: str = ""
     team: str = ""
     model: str = ""
-    tier: str = "standard"
+    tier: str = "standard"            # the tier that served (and priced) the request
+    requested_tier: str = ""          # set when another tier served it (failover); "" = tier
     replica: str = ""
     weight_version: str = ""
     session_id: str | None = None

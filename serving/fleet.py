@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,6 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from .config import FleetConfig, ReplicaConfig
 
 log = logging.getLogger("yieldgate.fleet")
+
+# Called when a replica comes back serving other weights than its label (its engine restarted):
+# puts the labelled version back, or leaves the replica out of routing saying why.
+RestoreHook = Callable[["Replica", str], Awaitable[None]]
 
 # vLLM reports "default" as the weight version it was launched with; the gateway calls it "base".
 BASE_VERSION = "base"
@@ -46,6 +51,9 @@ class Replica:
     last_health_at: float = 0.0
     consecutive_failures: int = 0
     probe_timeouts: int = 0        # health probes in a row that timed out
+    seen_up: bool = False          # answered health at least once since the gateway started
+    restoring: bool = False        # back from a restart; its weights are being put back
+    note: str = ""                 # why it is out of routing, when it is for a reason of ours
 
     @property
     def name(self) -> str:
@@ -53,7 +61,7 @@ class Replica:
 
     def label_weights(self, version: str) -> None:
         """Label the replica with the version a weight swap (or its restore) just verified. A
-        version read that began before this is stale from now on: see `_read_weight_version`."""
+        version read that began before this is stale from now on: see `_on_up`."""
         self.weight_version = version
         self.weight_generation += 1
 
@@ -74,8 +82,13 @@ class Replica:
         return self.engine_metrics.get("vllm:num_requests_running", 0.0)
 
     @property
+    def swapping(self) -> bool:
+        """Out of routing for a weight rollout (not held out for a reason, see `note`)."""
+        return self.healthy and not self.admitted and not self.note
+
+    @property
     def routable(self) -> bool:
-        return self.healthy and self.admitted
+        return self.healthy and self.admitted and not self.restoring
 
 
 class Fleet:
@@ -87,6 +100,8 @@ class Fleet:
         # Set except while an all-at-once weight swap has every replica out: requests that find
         # no candidate then wait for it instead of failing.
         self._released: asyncio.Event | None = None
+        self.restore: RestoreHook | None = None
+        self._restores: dict[str, asyncio.Task] = {}
 
     def tiers(self) -> list[str]:
         return sorted({r.tier for r in self.replicas.values()})
@@ -96,11 +111,19 @@ class Fleet:
 
     def candidates(self, tier: str) -> list[Replica]:
         own = [r for r in self.replicas.values() if r.tier == tier and r.routable]
-        if own or not any(r.tier == tier and r.healthy and not r.admitted for r in self.replicas.values()):
+        if own or not any(r.tier == tier and r.swapping for r in self.replicas.values()):
             return own
         # The tier's only replicas are out for a weight rollout: borrow the others (same model)
         # meanwhile; the request keeps its tier (and tier price), x-yieldgate-replica says who served.
         return [r for r in self.replicas.values() if r.routable]
+
+    def fallback(self, tier: str) -> tuple[str, list[Replica]]:
+        """Where `tier`'s requests go while it has no routable replica: its configured fallback
+        tier and that tier's routable replicas (one hop; fallbacks do not chain)."""
+        other = self.config.tier(tier).fallback
+        if not other or other == tier:
+            return tier, []
+        return other, [r for r in self.replicas.values() if r.tier == other and r.routable]
 
     def hold(self) -> None:
         """New requests that find no routable replica wait (see `wait_released`) until `release`."""
@@ -132,9 +155,10 @@ class Fleet:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = self._tasks + list(self._restores.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._session:
             await self._session.close()
 
@@ -165,28 +189,54 @@ class Fleet:
         else:
             replica.probe_timeouts = 0
         if ok and not replica.healthy:
-            await self._read_weight_version(replica)
+            await self._on_up(replica)
         self.set_health(replica, ok)
 
-    async def _read_weight_version(self, replica: Replica) -> None:
-        """Label responses with what the engine really serves (it may have been updated before)."""
-        assert self._session is not None
+    async def _on_up(self, replica: Replica) -> None:
+        """Label responses with what the engine really serves (it may have been updated before).
+        A replica that was up before and returns serving other weights than its label restarted:
+        it stays out of routing until the restore hook has put its labelled version back."""
         # The answer may predate a swap that a rollout labelled while it was on its way (asked
         # before the engine committed, answered after the rollout verified): then it is dropped.
         generation = replica.weight_generation
+        version = await self._engine_version(replica)
+        if version is None or replica.weight_generation != generation or version == replica.weight_version:
+            return
+        if replica.seen_up and self.restore is not None and replica.name not in self._restores:
+            log.warning("replica %s is back serving %s, labelled %s: restoring its weights",
+                        replica.name, version, replica.weight_version)
+            replica.restoring = True
+            self._restores[replica.name] = asyncio.create_task(self._restore(replica, version))
+        elif replica.name not in self._restores:
+            replica.weight_version = version
+
+    async def _restore(self, replica: Replica, found: str) -> None:
+        assert self.restore is not None
+        try:
+            await self.restore(replica, found)
+        except Exception as exc:  # noqa: BLE001 - the replica stays out, saying why
+            log.exception("replica %s: weight restore failed", replica.name)
+            replica.admitted, replica.note = False, f"weight restore failed: {type(exc).__name__}: {exc}"
+        finally:
+            replica.restoring = False
+            self._restores.pop(replica.name, None)
+
+    async def _engine_version(self, replica: Replica) -> str | None:
+        assert self._session is not None
         try:
             async with self._session.get(replica.url + "/weight_info") as resp:
                 if resp.status == 200:
                     version = str((await resp.json()).get("weight_version") or ENGINE_BASE_VERSION)
-                    if replica.weight_generation == generation:
-                        replica.weight_version = BASE_VERSION if version == ENGINE_BASE_VERSION else version
+                    return BASE_VERSION if version == ENGINE_BASE_VERSION else version
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             pass  # older engines without /weight_info keep the configured label
+        return None
 
     def set_health(self, replica: Replica, ok: bool) -> None:
         if ok != replica.healthy:
             log.warning("replica %s is %s", replica.name, "up" if ok else "down")
         replica.healthy = ok
+        replica.seen_up = replica.seen_up or ok
         replica.consecutive_failures = 0 if ok else replica.consecutive_failures + 1
         replica.last_health_at = time.monotonic()
 

@@ -11,7 +11,7 @@ import pytest
 
 from yieldgate.gateway.app import InsecureConfig, create_app
 from yieldgate.gateway.config import Config, ConfigError, load_config
-from yieldgate.serving.config import FleetConfig, ReplicaConfig
+from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
 
 
 def dead_url() -> str:
@@ -20,34 +20,56 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def fleet_config(stack, standard: list[str], fast: list[str], health_interval_s: float = 0.5) -> Config:
+def fleet_config(stack, standard: list[str], fast: list[str], health_interval_s: float = 0.5,
+                 fallback: bool = True) -> Config:
     replicas = [ReplicaConfig(name=f"std-{i}", tier="standard", url=u) for i, u in enumerate(standard)]
     replicas += [ReplicaConfig(name=f"fast-{i}", tier="fast", url=u) for i, u in enumerate(fast)]
-    return Config(fleet=FleetConfig(model=stack.model, replicas=replicas, health_interval_s=health_interval_s))
+    # Without tiers listed, each tier falls back to the other; listed without `fallback`, none does.
+    tiers = {} if fallback else {"standard": TierConfig(), "fast": TierConfig()}
+    return Config(fleet=FleetConfig(model=stack.model, replicas=replicas, tiers=tiers,
+                                    health_interval_s=health_interval_s))
 
 
-def test_tier_without_healthy_replica_is_503(stack, gateway_factory):
-    gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()]))
-    resp = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
-        "model": "demo:fast", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert resp.status_code == 503
+def chat(url: str, model: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def test_tier_without_healthy_replica_and_no_fallback_is_503(stack, gateway_factory):
+    gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()], fallback=False))
+    resp = chat(gw.url, "demo:fast")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert resp.json()["error"]["code"] == "no_healthy_replica"
-    ok = httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={
-        "model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    assert ok.status_code == 200
+    assert chat(gw.url, "demo").status_code == 200
 
 
-def test_health_names_the_tier_that_cannot_serve_and_readiness_refuses(stack, gateway_factory):
+def test_tier_without_healthy_replica_is_served_by_its_fallback_tier_and_says_so(stack, gateway_factory):
     gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()]))
-    deadline = time.monotonic() + 30
-    while not (health := httpx.get(gw.url + "/healthz", timeout=10).json())["replicas"]["std-0"]["healthy"]:
-        assert time.monotonic() < deadline, health
-        time.sleep(0.2)
-    # alive (200) but degraded, naming the tier; not ready: a load balancer would route elsewhere
-    assert health["status"] == "degraded" and health["degraded_tiers"] == ["fast"]
-    assert health["tiers"] == {"fast": {"routable": 0, "replicas": 1}, "standard": {"routable": 1, "replicas": 1}}
-    ready = httpx.get(gw.url + "/readyz", timeout=10)
-    assert ready.status_code == 503 and ready.json()["degraded_tiers"] == ["fast"]
+    resp = chat(gw.url, "demo:fast")
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-yieldgate-tier"] == "standard" and resp.headers["x-yieldgate-requested-tier"] == "fast"
+    assert resp.headers["x-yieldgate-replica"] == "std-0" and resp.json()["service_tier"] == "default"
+    own = chat(gw.url, "demo")
+    assert "x-yieldgate-requested-tier" not in own.headers  # served by the tier it asked for
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'yieldgate_tier_failovers_total{requested_tier="fast",served_tier="standard"} 1.0' in metrics
+
+
+def test_health_names_the_tier_that_cannot_serve_and_readiness_follows_fallback(stack, gateway_factory):
+    for fallback in (True, False):
+        gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [dead_url()], fallback=fallback))
+        deadline = time.monotonic() + 30
+        while not (health := httpx.get(gw.url + "/healthz", timeout=10).json())["replicas"]["std-0"]["healthy"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+        # alive (200) but degraded, naming the tier and who serves its requests
+        assert health["status"] == "degraded" and health["degraded_tiers"] == ["fast"]
+        assert health["tiers"] == {
+            "fast": {"routable": 0, "replicas": 1, "served_by": "standard" if fallback else None},
+            "standard": {"routable": 1, "replicas": 1, "served_by": "standard"}}
+        # ready while every tier's requests can be served: with the fallback, yes; without, no
+        ready = httpx.get(gw.url + "/readyz", timeout=10)
+        assert ready.status_code == (200 if fallback else 503) and ready.json()["degraded_tiers"] == ["fast"]
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'yieldgate_tier_routable_replicas{tier="fast"} 0.0' in metrics
     assert 'yieldgate_tier_routable_replicas{tier="standard"} 1.0' in metrics
@@ -98,3 +120,28 @@ def test_public_bind_without_credentials_refuses_to_start():
         create_app(config)
     config.server.allow_insecure_public = True
     create_app(config)
+
+
+def test_a_replica_back_on_other_weights_than_the_store_holds_stays_out_saying_why(stack, gateway_factory):
+    """A replica that returns serving other weights than its label (its engine restarted) is
+    restored from the checkpoint store before it takes traffic; when the store lacks its version
+    it stays out, the reason shown, and its tier's requests fail over."""
+    gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [stack.engines["fast"]]))
+    std = gw.gateway.fleet.replicas["std-0"]
+    deadline = time.monotonic() + 30
+    while not (std.routable and std.seen_up):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # As if its engine had restarted after serving a version this gateway never stored:
+    std.weight_version, std.healthy = "ghost-1", False
+    deadline = time.monotonic() + 60
+    while not std.note:
+        assert time.monotonic() < deadline, "no restore attempt"
+        time.sleep(0.1)
+    assert std.healthy and not std.routable and not std.restoring
+    assert "ghost-1" in std.note and "does not hold" in std.note
+    health = httpx.get(gw.url + "/healthz", timeout=10).json()
+    assert health["replicas"]["std-0"]["note"] == std.note and health["degraded_tiers"] == ["standard"]
+    resp = chat(gw.url, "demo")
+    assert resp.status_code == 200 and resp.headers["x-yieldgate-tier"] == "fast"
+    assert resp.headers["x-yieldgate-requested-tier"] == "standard"

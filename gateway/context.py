@@ -1,0 +1,77 @@
+"""One request as it travels through the gateway: what routing, the proxy and accounting read
+and write about it, and the token counts the engine reported."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from yieldgate.pricing import ApiKey, Reservation
+from yieldgate.serving.fleet import Replica
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def from_wire(cls, usage: Any) -> "Usage":
+        if not isinstance(usage, dict):
+            return cls()
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return cls(int(usage.get("prompt_tokens") or 0), int(cached or 0),
+                   int(usage.get("completion_tokens") or 0))
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    kind: str
+    model: str
+    tier: str                               # the tier that serves (and prices) the request
+    started: float
+    requested_tier: str = ""                # the tier asked for, when another one serves it
+    stream: bool = False
+    session_id: str = ""
+    key: ApiKey | None = None
+    max_tokens: int | None = None
+    typed: Any = None                       # the validated request (prompt size estimates)
+    prompt_tokens: list[int] | None = None  # set by routing when it tokenized the prompt
+    prompt_packed: bytes | None = None      # the same ids as little-endian int32s (cache.blocks.pack_tokens)
+    route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
+    decision: Any = None  # cache.RouteDecision of the current try (released by gateway.routing)
+    replica: Replica | None = None
+    predicted_cached_tokens: int = 0
+    ttft: float | None = None
+    chunks: int = 0
+    finished: bool = False
+    status: str = ""
+    cost_header: str = ""
+    reservation: Reservation | None = None
+    rate_tokens: int = 0                    # tokens already counted against the key's TPM
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def replica_name(self) -> str:
+        return self.replica.name if self.replica else ""
+
+    @property
+    def weight_version(self) -> str:
+        return self.replica.weight_version if self.replica else ""
+
+    def bind(self, replica: Replica, predicted_cached_tokens: int) -> None:
+        self.replica = replica
+        self.predicted_cached_tokens = predicted_cached_tokens
+
+    def first_byte(self) -> None:
+        self.ttft = time.perf_counter() - self.started
+
+    def serve_from(self, tier: str) -> None:
+        """Failover: `tier` serves this request, prices it and labels the response."""
+        if tier != self.tier:
+            self.requested_tier = self.requested_tier or self.tier
+            self.tier = tier
