@@ -23,6 +23,7 @@ from .http import bearer_token, json_response
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, error_response
+from .health import build_health_router
 from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
@@ -234,48 +235,5 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
             cards.append(ModelCard(id=f"{name}:fast"))
         return Response(_encode(ModelList(data=cards)), media_type="application/json")
 
-    def tier_health() -> tuple[dict[str, dict[str, Any]], list[str]]:
-        """Per tier: routable replicas, and which tier serves its requests now (its own, its
-        fallback's, or none)."""
-        tiers: dict[str, dict[str, Any]] = {}
-        for t in gw.fleet.tiers():
-            own = gw.fleet.in_tier(t)
-            routable = sum(r.routable for r in own)
-            served_by = t if routable else (gw.fleet.fallback(t)[0] if gw.fleet.fallback(t)[1] else None)
-            tiers[t] = {"routable": routable, "replicas": len(own), "served_by": served_by}
-        return tiers, [t for t, h in tiers.items() if not h["routable"]]
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        """Liveness: 200 while the process serves HTTP. The body says which tiers can serve:
-        "degraded" names each tier without a routable replica, "unavailable" when no tier can
-        serve at all (own replicas or fallback)."""
-        engines = gw.engine_status()
-        replicas = {r.name: {"tier": r.tier, "healthy": r.healthy, "admitted": r.admitted,
-                             "restoring": r.restoring, "inflight": r.inflight,
-                             "weight_version": r.weight_version, "note": r.note,
-                             **({"engine": engines[r.name]} if r.name in engines else {})}
-                    for r in gw.fleet.replicas.values()}
-        tiers, down = tier_health()
-        stranded = [t for t in down if tiers[t]["served_by"] is None]
-        status = "ok" if not down else "unavailable" if len(stranded) == len(tiers) else "degraded"
-        return json_response({"status": status, "degraded_tiers": down, "tiers": tiers, "replicas": replicas})
-
-    @app.get("/readyz")
-    async def readyz() -> Response:
-        """Readiness (what a load balancer routes by): 200 when every tier's requests can be
-        served, by its own replicas or its fallback tier's; the body names degraded tiers."""
-        tiers, down = tier_health()
-        ready = bool(tiers) and all(h["served_by"] is not None for h in tiers.values())
-        return json_response({"ready": ready, "degraded_tiers": down, "tiers": tiers}, 200 if ready else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        for r in gw.fleet.replicas.values():
-            gw.metrics.replica_up.labels(r.name, r.tier).set(1 if r.routable else 0)
-        for tier in gw.fleet.tiers():
-            gw.metrics.tier_routable.labels(tier).set(sum(r.routable for r in gw.fleet.in_tier(tier)))
-            gw.metrics.inflight.labels(r.name).set(r.inflight)
-        return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4")
-
+    app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status))
     return app
