@@ -1,7 +1,7 @@
 """Cache-aware routing: tokens, block hashes, prefix index, routing policies.
 
 Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
-``router.pick(RouteRequest(...), replicas)``, send, ``router.observe(decision)``.
+``router.pick(RouteRequest(...), replicas)``, then ``router.sent``, ``first_token`` and ``done`` as the request goes.
 """
 
 from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, pack_tokens

@@ -34,7 +34,35 @@ class RouteDecision(msgspec.Struct):
     block_hashes: list[BlockHash]
     policy: str
     scores: dict[str, float] = {}
-    pending_blocks: int = 0  # prefill this request adds to its replica until release()
+    pending_blocks: int = 0  # prefill this request adds to its replica until its first token
+    recorded: bool = False   # the index knows its blocks are on their way to the replica
+
+
+class PendingPrefill:
+    """Blocks of prefill routed to each replica whose first token is not back yet: work queued
+    there that the engine's own counters do not show yet (read by the kv_cost scorer)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, float] = {}
+
+    def snapshot(self, candidates: Sequence[Candidate]) -> dict[str, float]:
+        out = {}
+        for c in candidates:
+            if c.inflight <= 0 and self.blocks.get(c.name):
+                self.blocks[c.name] = 0.0  # nothing in flight there: nothing can be pending (self-healing)
+            out[c.name] = self.blocks.get(c.name, 0.0)
+        return out
+
+    def add(self, decision: RouteDecision) -> None:
+        if decision.pending_blocks:
+            name = decision.replica.name
+            self.blocks[name] = self.blocks.get(name, 0.0) + decision.pending_blocks
+
+    def settle(self, decision: RouteDecision) -> None:
+        if decision.pending_blocks:
+            name = decision.replica.name
+            self.blocks[name] = max(0.0, self.blocks.get(name, 0.0) - decision.pending_blocks)
+            decision.pending_blocks = 0
 
 
 class Policy:
@@ -77,10 +105,14 @@ def build_policy(name: str, config: RouterConfig = RouterConfig(), spec: Pipelin
 class Router:
     """Picks a replica per request and teaches the prefix index where prefixes went.
 
+    A decision follows its request's lifecycle (each step idempotent):
+
     >>> router = Router("cache_aware", index, block_size=32)
     >>> if router.needs_tokens: req = RouteRequest(token_ids=tok.encode(prompt))
-    >>> decision = router.pick(req, replicas)
-    >>> router.observe(decision)       # once the request is sent to decision.replica
+    >>> decision = router.pick(req, replicas)   # counts as a recent pick, its prefill as pending
+    >>> router.sent(decision)          # on its way: the index learns where its prefix goes
+    >>> router.first_token(decision)   # prefill over: no longer work queued on the replica
+    >>> router.done(decision)          # ended (also settles a request that never got a token)
     """
 
     def __init__(self, policy: str | Policy = "cache_aware", index: Any = None, block_size: int = 32,
@@ -92,8 +124,7 @@ class Router:
         self.block_size = self.hasher.block_size
         self._known_capacity: dict[str, int] = {}
         self.recent = RecentPicks()
-        # Blocks of prefill routed to each replica whose first token has not come back yet.
-        self.pending: dict[str, float] = {}
+        self.pending = PendingPrefill()
 
     @property
     def needs_tokens(self) -> bool:
@@ -116,32 +147,31 @@ class Router:
         ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
                            matches=matches, loads={c.name: load_of(c) for c in candidates},
                            recent=self.recent.snapshot([c.name for c in candidates]),
-                           pending={c.name: self._pending(c) for c in candidates})
+                           pending=self.pending.snapshot(candidates))
         chosen, scores = self.policy.choose(ctx, candidates)
         self.recent.add(chosen.name, len(candidates))
-        pending = len(hashes) + 1 - matches.get(chosen.name, 0) if hashes else 0
-        if pending:
-            self.pending[chosen.name] = self.pending.get(chosen.name, 0.0) + pending
-        return RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
-                             block_hashes=hashes, policy=self.policy.name, scores=scores, pending_blocks=pending)
+        decision = RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,
+                                 block_hashes=hashes, policy=self.policy.name, scores=scores,
+                                 pending_blocks=len(hashes) + 1 - matches.get(chosen.name, 0) if hashes else 0)
+        self.pending.add(decision)
+        return decision
 
-    def _pending(self, c: Candidate) -> float:
-        if c.inflight <= 0 and self.pending.get(c.name):
-            self.pending[c.name] = 0.0  # nothing in flight there: nothing can be pending (self-healing)
-        return self.pending.get(c.name, 0.0)
-
-    def release(self, decision: RouteDecision) -> None:
-        """The decision's prefill is done (first token back) or the request ended: its blocks
-        stop counting as work queued on the replica. Idempotent."""
-        if decision.pending_blocks:
-            name = decision.replica.name
-            self.pending[name] = max(0.0, self.pending.get(name, 0.0) - decision.pending_blocks)
-            decision.pending_blocks = 0
-
-    def observe(self, decision: RouteDecision) -> None:
-        """Record that the decision's blocks now live (approximately) on its replica."""
+    def sent(self, decision: RouteDecision) -> None:
+        """The request is on its way to its replica: record (approximately) that its blocks will
+        live there, so requests routed meanwhile already see the prefix."""
+        if decision.recorded:
+            return
+        decision.recorded = True
         if self.index is not None and decision.block_hashes:
             self.index.record(decision.replica.name, decision.block_hashes)
+
+    def first_token(self, decision: RouteDecision) -> None:
+        """Its prefill is over: its blocks stop counting as work queued on the replica."""
+        self.pending.settle(decision)
+
+    def done(self, decision: RouteDecision) -> None:
+        """It ended, however (answered, failed, abandoned): nothing of it is pending any more."""
+        self.pending.settle(decision)
 
     def _sync_capacity(self, candidates: Sequence[Candidate]) -> None:
         for c in candidates:

@@ -459,12 +459,12 @@ class FleetSimulator:
         decision = self.router.pick(route, self.replicas)
         req.predicted = decision.predicted_cached_tokens
         if self.config.observe_delay_s > 0:
-            self.schedule(self.now + self.config.observe_delay_s, self.router.observe, decision)
+            self.schedule(self.now + self.config.observe_delay_s, self.router.sent, decision)
         else:
-            self.router.observe(decision)
-        req.done_cb = lambda r, now: (self.done.append(r), on_done(r, now))
-        # The gateway releases a request's pending prefill when its first token arrives.
-        req.on_first_token = lambda: self.router.release(decision)
+            self.router.sent(decision)
+        req.done_cb = lambda r, now: (self.done.append(r), self.router.done(decision), on_done(r, now))
+        # As in the gateway, a request's prefill stops counting as pending at its first token.
+        req.on_first_token = lambda: self.router.first_token(decision)
         decision.replica.submit(req)
 
     # -- results -----------------------------------------------------------------------------------

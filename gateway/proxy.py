@@ -190,18 +190,13 @@ class Proxy:
             decision = self.routing.pick(ctx, ctx.route, candidates)
             replica = decision.replica
             ctx.bind(replica, decision.predicted_cached_tokens)
-            ctx.decision = decision
-            replica.inflight += 1
-            # Record the placement now, not when the engine answers: requests routed meanwhile
-            # should already see this prefix on this replica.
-            self.routing.observe(ctx, decision)
+            self.routing.sent(ctx, decision)
             try:
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
                                                 b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
                 return replica, resp
             except _RETRYABLE as exc:
-                replica.inflight -= 1
-                self.routing.release(ctx)
+                self.routing.done(ctx)
                 last_exc = exc
                 failed.add(replica.name)
                 if isinstance(exc, UpstreamConnectError):
@@ -241,8 +236,7 @@ class Proxy:
                 if attempt == 1:
                     raise UpstreamError("Upstream replica failed while answering.") from None
             finally:
-                replica.inflight -= 1
-                self.routing.release(ctx)
+                self.routing.done(ctx)
                 resp.release()
         ctx.first_byte()
         if resp.status != 200:
@@ -271,8 +265,7 @@ class Proxy:
             try:
                 data = await resp.read()
             finally:
-                replica.inflight -= 1
-                self.routing.release(ctx)
+                self.routing.done(ctx)
                 resp.release()
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return _upstream_error(resp.status, data)
@@ -286,8 +279,7 @@ class Proxy:
                 return
             ended = True
             lease.release()
-            replica.inflight -= 1
-            self.routing.release(ctx)
+            self.routing.done(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
             if not ctx.finished:
                 self.accounting.finish(ctx, usage, status)
@@ -308,7 +300,7 @@ class Proxy:
             async for data in resp.iter_chunks():
                 if ctx.ttft is None:
                     ctx.first_byte()
-                    self.routing.release(ctx)
+                    self.routing.first_token(ctx)
                 got = splitter.feed(data)
                 if not got:
                     continue

@@ -119,18 +119,32 @@ class Routing:
     def pick(self, ctx: RequestContext, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
         return self.routers[ctx.tier].pick(request, candidates)
 
-    def observe(self, ctx: RequestContext, decision: RouteDecision) -> None:
-        """The engine accepted the request: it will hold these blocks after prefill."""
-        router = self.routers.get(ctx.tier)
-        if router is not None and decision.block_hashes:
-            router.observe(decision)
+    # -- the request's lifecycle on its replica (one try; a retry is a new pick) ------------------
 
-    def release(self, ctx: RequestContext) -> None:
-        """The request's prefill is over (first byte back, or it ended): its blocks stop counting
-        as work queued on its replica. Safe to call more than once."""
+    def sent(self, ctx: RequestContext, decision: RouteDecision) -> None:
+        """The request goes to `decision.replica`: it counts as in flight there, and the index
+        records its prefix there now, so requests routed meanwhile already see it."""
+        ctx.decision = decision
+        decision.replica.inflight += 1
+        router = self.routers.get(ctx.tier)
+        if router is not None:
+            router.sent(decision)
+
+    def first_token(self, ctx: RequestContext) -> None:
+        """Its first byte is back: its prefill stops counting as work queued on the replica."""
         decision, router = ctx.decision, self.routers.get(ctx.tier)
         if decision is not None and router is not None:
-            router.release(decision)
+            router.first_token(decision)
+
+    def done(self, ctx: RequestContext) -> None:
+        """This try ended, however it ended. Safe to call more than once."""
+        decision, ctx.decision = ctx.decision, None
+        if decision is None:
+            return
+        decision.replica.inflight -= 1
+        router = self.routers.get(ctx.tier)
+        if router is not None:
+            router.done(decision)
 
     def forget(self, replica: str) -> None:
         """The replica's engine restarted: nothing it cached before is there any more."""

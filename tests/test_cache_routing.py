@@ -75,8 +75,8 @@ def test_prefix_routed_twice_lands_on_same_replica() -> None:
     fleet = [Replica("a"), Replica("b"), Replica("c")]
     for prefix in range(6):
         first = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 1)), fleet)
-        router.observe(first)
-        router.release(first)  # its first token is back
+        router.sent(first)
+        router.first_token(first)  # its first token is back
         second = router.pick(RouteRequest(token_ids=tokens(prefix, 8, 2)), fleet)
         assert second.replica.name == first.replica.name
         assert second.predicted_cached_tokens == 8 * 32
@@ -86,8 +86,8 @@ def test_cache_aware_spills_hot_prefix_from_loaded_replica() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)
     a, b = Replica("a"), Replica("b")
     first = router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b])
-    router.observe(first)
-    router.release(first)
+    router.sent(first)
+    router.first_token(first)
     home = router.pick(RouteRequest(token_ids=tokens(1, 8)), [a, b]).replica.name
     other = "b" if home == "a" else "a"
     loaded = {home: Replica(home, inflight=12, num_running=12), other: Replica(other)}
@@ -103,19 +103,20 @@ def test_requests_arriving_together_split_while_the_first_prefill_is_pending() -
     fleet = [Replica("a"), Replica("b")]
     by_name = {r.name: r for r in fleet}
     warm = router.pick(RouteRequest(token_ids=tokens(3, 8, 0)), fleet)
-    router.observe(warm)
-    router.release(warm)
+    router.sent(warm)
+    router.first_token(warm)
     home = warm.replica.name
     # A long new request on the prefix's home: its 30 blocks of prefill are queued there...
     long_one = router.pick(RouteRequest(token_ids=tokens(3, 8, 0) + tokens(4, 30)), fleet)
-    router.observe(long_one)
+    router.sent(long_one)
     by_name[home].inflight = 1
     assert long_one.replica.name == home and long_one.pending_blocks == 31
     # ...so a short request for the same prefix arriving meanwhile is cheaper on the idle replica.
     assert router.pick(RouteRequest(token_ids=tokens(3, 8, 1)), fleet).replica.name != home
-    router.release(long_one)
-    router.release(long_one)  # idempotent
-    assert router.pending[home] == 0
+    router.first_token(long_one)
+    router.first_token(long_one)  # idempotent
+    router.done(long_one)         # ...and so is the end
+    assert router.pending.blocks[home] == 0
     by_name[home].inflight = 0
     assert router.pick(RouteRequest(token_ids=tokens(3, 8, 2)), fleet).replica.name == home
 
@@ -124,10 +125,10 @@ def test_pending_prefill_heals_when_nothing_is_in_flight() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)
     fleet = [Replica("a"), Replica("b")]
     d = router.pick(RouteRequest(token_ids=tokens(1, 10)), fleet)
-    assert router.pending[d.replica.name] == 11  # a caller that never released...
+    assert router.pending.blocks[d.replica.name] == 11  # a caller that never released...
     e = router.pick(RouteRequest(token_ids=tokens(2, 1)), fleet)
     # ...cannot leave phantom work on an idle replica: only the newest pick's blocks remain.
-    assert router.pending[d.replica.name] == (e.pending_blocks if e.replica.name == d.replica.name else 0)
+    assert router.pending.blocks[d.replica.name] == (e.pending_blocks if e.replica.name == d.replica.name else 0)
 
 
 def test_hot_prefix_spreads_instead_of_piling_up() -> None:
@@ -135,7 +136,7 @@ def test_hot_prefix_spreads_instead_of_piling_up() -> None:
     fleet = {n: Replica(n) for n in "abc"}
     for i in range(60):  # one hot tenant prefix, requests never finish
         d = router.pick(RouteRequest(token_ids=tokens(9, 8, i)), list(fleet.values()))
-        router.observe(d)
+        router.sent(d)
         fleet[d.replica.name].inflight += 1
     loads = sorted(r.inflight for r in fleet.values())
     assert loads[-1] <= 1.5 * (60 / 3) + 2 + 1
@@ -151,8 +152,8 @@ def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], session
         for turn in range(3):
             context = context + tokens(1000 + s * 10 + turn, 8)[: 8 * 32]
             d = router.pick(RouteRequest(token_ids=context + [7] * 5), fleet)
-            router.observe(d)
-            router.release(d)  # sequential: each turn is answered before the next arrives
+            router.sent(d)
+            router.first_token(d)  # sequential: each turn is answered before the next arrives
             counts[d.replica.name] += 1
     return counts
 
@@ -191,8 +192,8 @@ def test_share_guard_keeps_long_cached_contexts_home() -> None:
     fleet = [Replica("a"), Replica("b")]
     long_context = tokens(5, 40)
     home = router.pick(RouteRequest(token_ids=long_context), fleet)
-    router.observe(home)
-    router.release(home)
+    router.sent(home)
+    router.first_token(home)
     for i in range(30):  # the home replica is far past its share of picks...
         router.recent.add(home.replica.name, 2)
     # ...but 40 cached blocks (>= share_keep_blocks more than elsewhere) keep the turn there.
@@ -233,10 +234,10 @@ def test_lru_forgets_what_the_engine_evicts() -> None:
     router = Router("cache_aware", index)
     fleet = [Replica("a", kv_capacity_blocks=20)]
     old = router.pick(RouteRequest(token_ids=tokens(1, 8)), fleet)
-    router.observe(old)
+    router.sent(old)
     assert index.capacity("a") == 20
     for p in range(2, 5):  # 24 newer blocks push the oldest out
-        router.observe(router.pick(RouteRequest(token_ids=tokens(p, 8)), fleet))
+        router.sent(router.pick(RouteRequest(token_ids=tokens(p, 8)), fleet))
     assert index.match(old.block_hashes).get("a", 0) == 0
     stats = index.stats()
     assert stats.replicas["a"] == 20 and stats.evicted == 12 and stats.total_blocks == 20
@@ -284,7 +285,7 @@ async def _shared_index_scenario(clients: list, prefix: str) -> None:
         decisions = {}
         for prefix_id in range(8):
             d = ra.pick(RouteRequest(token_ids=tokens(prefix_id, 6, 0)), fleet)
-            ra.observe(d)
+            ra.sent(d)
             decisions[prefix_id] = d
         await a.flush()
         last = decisions[7].block_hashes
