@@ -103,10 +103,23 @@ def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[
             or model.get("end_of_word_suffix") or model.get("byte_fallback"):
         raise NotConvertible("not a plain BPE model")
     pattern = _split_pattern(spec.get("pre_tokenizer"))
-    byte_of = {c: b for b, c in bytes_to_unicode().items()}
-    vocab: dict[str, int] = model["vocab"]
     added = spec.get("added_tokens") or []
-    added_ids = {t["id"] for t in added}
+    token_bytes, merged_ids = _byte_vocab(model, {t["id"] for t in added})
+    specials: dict[str, int] = {}
+    for tok in added:
+        if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or \
+                (tok.get("normalized") and not tok.get("special")):
+            raise NotConvertible(f"added token {tok['content']!r} has matching flags tiktoken lacks")
+        specials[tok["content"]] = tok["id"]
+    ranks, special_ranks, rank_to_id = _ranks(token_bytes, merged_ids, specials)
+    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks)
+    return enc, rank_to_id
+
+
+def _byte_vocab(model: dict[str, Any], added_ids: set[int]) -> tuple[dict[bytes, int], list[int]]:
+    """The BPE vocab as bytes -> id, and the id each merge produces, in merge order; refuses
+    what tiktoken would tokenize differently."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
 
     def to_bytes(token: str) -> bytes:
         try:
@@ -114,14 +127,12 @@ def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[
         except KeyError as exc:
             raise NotConvertible(f"token {token!r} is not byte-level") from exc
 
-    token_bytes = {to_bytes(tok): i for tok, i in vocab.items() if i not in added_ids}
+    token_bytes = {to_bytes(tok): i for tok, i in model["vocab"].items() if i not in added_ids}
     missing = [b for b in range(256) if bytes([b]) not in token_bytes]
     if missing:
         raise NotConvertible(f"{len(missing)} single bytes missing from vocab")
-
-    merges = model.get("merges") or []
     merged_ids: list[int] = []
-    for merge in merges:
+    for merge in model.get("merges") or []:
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
         merged = to_bytes(left) + to_bytes(right)
         if merged not in token_bytes:
@@ -135,39 +146,33 @@ def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[
         # tiktoken looks a whole pre-token up in the vocab first; HF without
         # ignore_merges does not, so a token no merge produces would diverge.
         raise NotConvertible(f"{len(unreachable)} multi-byte tokens no merge produces")
+    return token_bytes, merged_ids
 
-    specials: dict[str, int] = {}
-    for tok in added:
-        if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or \
-                (tok.get("normalized") and not tok.get("special")):
-            raise NotConvertible(f"added token {tok['content']!r} has matching flags tiktoken lacks")
-        specials[tok["content"]] = tok["id"]
 
+def _ranks(token_bytes: dict[bytes, int], merged_ids: list[int], specials: dict[str, int]
+           ) -> tuple[dict[bytes, int], dict[str, int], list[int] | None]:
+    """tiktoken ranks: the ids themselves when merge order and id order agree, else ranks in
+    merge order with a rank -> id table."""
     single_ids = sorted(token_bytes[bytes([b])] for b in range(256))
     monotone = all(a < b for a, b in zip(merged_ids, merged_ids[1:])) and \
         (not merged_ids or max(single_ids) < merged_ids[0])
-    rank_to_id: list[int] | None = None
     if monotone:
-        ranks = token_bytes
-        special_ranks = specials
-    else:
-        ranks = {bytes([b]): r for r, b in enumerate(sorted(range(256), key=lambda b: token_bytes[bytes([b])]))}
-        id_to_bytes = {i: b for b, i in token_bytes.items()}
-        for r, i in enumerate(merged_ids, start=256):
-            ranks[id_to_bytes[i]] = r
-        next_rank = 256 + len(merged_ids)
-        special_ranks = {}
-        for content in specials:
-            special_ranks[content] = next_rank
-            next_rank += 1
-        table = [0] * next_rank
-        for b, r in ranks.items():
-            table[r] = token_bytes[b]
-        for content, r in special_ranks.items():
-            table[r] = specials[content]
-        rank_to_id = table
-    enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks)
-    return enc, rank_to_id
+        return token_bytes, specials, None
+    ranks = {bytes([b]): r for r, b in enumerate(sorted(range(256), key=lambda b: token_bytes[bytes([b])]))}
+    id_to_bytes = {i: b for b, i in token_bytes.items()}
+    for r, i in enumerate(merged_ids, start=256):
+        ranks[id_to_bytes[i]] = r
+    next_rank = 256 + len(merged_ids)
+    special_ranks = {}
+    for content in specials:
+        special_ranks[content] = next_rank
+        next_rank += 1
+    table = [0] * next_rank
+    for b, r in ranks.items():
+        table[r] = token_bytes[b]
+    for content, r in special_ranks.items():
+        table[r] = specials[content]
+    return ranks, special_ranks, table
 
 
 class Tokenizer:
