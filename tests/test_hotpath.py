@@ -293,6 +293,87 @@ async def test_upstream_connections_are_reused(hot_gateway, fake_upstream):
     assert (pool.opened, pool.stale_retries, pool.open) == (1, 0, 1)
 
 
+class ClosingUpstream:
+    """An engine stand-in (own thread and loop) that answers the first request of each connection
+    and closes the connection, unanswered, when a second request arrives on it: what a request
+    meets when it goes out on a kept-alive connection just as the engine's idle timer closes it."""
+
+    ANSWER = (b'{"id":"x","object":"chat.completion","model":"demo","choices":[{"index":0,"message":'
+              b'{"role":"assistant","content":"hi"},"finish_reason":"stop"}],'
+              b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}')
+
+    def __init__(self) -> None:
+        self.answered = self.dropped = 0
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self._thread.start()
+        assert started.wait(10)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posts = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"POST"):
+                    posts += 1
+                    if posts == 2:
+                        self.dropped += 1
+                        return  # closed with not a byte of answer
+                    self.answered += 1
+                    body, status = self.ANSWER, b"200 OK"
+                else:  # the fleet's /health, /metrics, /weight_info probes
+                    body, status = b"", (b"200 OK" if head.startswith(b"GET /health") else b"404 Not Found")
+                writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self._server = server
+        started.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self._server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+async def test_a_request_on_a_kept_alive_connection_closed_under_it_is_re_sent(gateway_factory, redis_url, tmp_path):
+    upstream = ClosingUpstream()
+    try:
+        config = Config(server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
+                        fleet=FleetConfig(replicas=[ReplicaConfig(name="closing-0", url=upstream.url)],
+                                          tiers={"standard": TierConfig(policy="round_robin")}))
+        config.pricing.ledger.journal_dir = str(tmp_path / "journal")
+        gw = gateway_factory(config)
+        pool = gw.gateway.proxy.upstream
+        pool.keepalive_s = 3600.0  # every request after the first goes out on a kept-alive connection
+        async with aiohttp.ClientSession() as s:
+            for _ in range(4):
+                answer = json.loads(await _chat(s, gw.url, stream=False))
+                assert answer["choices"][0]["message"]["content"] == "hi"
+            async with s.get(gw.url + "/metrics") as resp:
+                metrics = await resp.text()
+        # Each request after the first met a closed connection and was sent again on a new one, to
+        # the same replica: not a retry on another replica, and no client saw an error.
+        assert (upstream.answered, upstream.dropped) == (4, 3)
+        assert (pool.stale_retries, pool.opened) == (3, 4)
+        assert 'yieldgate_upstream_retries_total{tier="standard"}' not in metrics
+    finally:
+        upstream.stop()
+
+
 async def test_no_leaked_connections_or_tasks(hot_gateway, fake_upstream):
     async def count_tasks() -> int:
         return len(asyncio.all_tasks())
