@@ -132,6 +132,10 @@ class Routing:
         if decision is not None and router is not None:
             router.release(decision)
 
+    def forget_cached(self, replica: str) -> None:
+        """The replica's engine dropped its prefix cache (new weights): route as if it held nothing."""
+        self.index.clear(replica)
+
     def stats(self) -> dict[str, Any]:
         s = self.index.stats()
         return {"replicas": s.replicas, "capacity": s.capacity, "total_blocks": s.total_blocks}
