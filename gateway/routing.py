@@ -150,6 +150,10 @@ class Routing:
         """The replica's engine restarted: nothing it cached before is there any more."""
         self.index.clear(replica)
 
+    def forget_cached(self, replica: str) -> None:
+        """The replica's engine dropped its prefix cache (new weights): route as if it held nothing."""
+        self.index.clear(replica)
+
     def stats(self) -> dict[str, Any]:
         s = self.index.stats()
         return {"replicas": s.replicas, "capacity": s.capacity, "total_blocks": s.total_blocks}

@@ -44,6 +44,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -185,12 +186,17 @@ class RolloutFleet:
     gateway's own count (a drained replica has no request of ours left on it)."""
 
     def __init__(self, replicas: list[Replica], state: RolloutState,
-                 serving: ServingFleet | None = None, history: WeightHistory | None = None) -> None:
+                 serving: ServingFleet | None = None, history: WeightHistory | None = None,
+                 forget_cached: Callable[[str], None] | None = None) -> None:
         self.by_url = {r.url: r for r in replicas}
         self.state = state
         self.serving = serving
         self.history = history
         self.verified: dict[str, str] = {}  # url -> engine version read by the rollout's verify
+        # Engines whose weights this rollout touched: their prefix cache was reset with the swap,
+        # so the prefix index forgets their blocks before they serve again (`forget_cached(name)`).
+        self.touched: set[str] = set()
+        self.forget_cached = forget_cached
 
     def replicas(self) -> list[str]:
         return list(self.by_url)
@@ -213,6 +219,10 @@ class RolloutFleet:
     async def set_routable(self, replica: str, routable: bool) -> None:
         r = self.by_url[replica]
         if routable:
+            if replica in self.touched and self.forget_cached is not None:
+                self.touched.discard(replica)
+                # Without KV events the index would keep predicting hits on the reset cache.
+                self.forget_cached(r.name)
             # Label first, admit second: every response from now on names the weights that made it.
             if replica in self.verified:
                 r.label_weights(gateway_label(self.verified.pop(replica)))
@@ -264,6 +274,7 @@ class GatewayRollout(Rollout):
 
     async def _update(self, replica: str, wset: WeightSet, version: str, token: str) -> str:
         name = self.rfleet.by_url[replica].name
+        self.rfleet.touched.add(replica)
         self.state.note("update", name)
         if self.checkpoint is not None:
             await asyncio.to_thread(reload_from_checkpoint, replica, self.checkpoint, version)
@@ -279,6 +290,7 @@ class GatewayRollout(Rollout):
 
     async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
         self.rfleet.verified.clear()  # restored replicas are labelled from the engine again
+        self.rfleet.touched.update(replicas)
         await super()._restore(replicas, previous)
 
     def _stage_targets(self, replicas: list[str]) -> list[str]:
@@ -609,7 +621,8 @@ class WeightOrchestrator:
             state.state = "running"
             state.note("start", detail=f"{len(replicas)} replica(s), mode {request.mode}")
             self._observe(replicas)
-            fleet = RolloutFleet(replicas, state, self.fleet, self.store.history)
+            fleet = RolloutFleet(replicas, state, self.fleet, self.store.history,
+                                 forget_cached=self.gw.routing.forget_cached)
             evaluate = self._canary(request.canary, state) if request.canary else None
             rollout = GatewayRollout(fleet, self.store, state, checkpoint=checkpoint, mode=request.mode,
                                      evaluate=evaluate, config=self.bridge,
@@ -910,7 +923,8 @@ class WeightOrchestrator:
                 answer["notice"] = (f"{named} had been marked {mark.mark} ({mark.reason}); "
                                     f"served again because the request named it")
         async with self.lock:
-            fleet = RolloutFleet(replicas, state, history=store.history)
+            fleet = RolloutFleet(replicas, state, history=store.history,
+                                 forget_cached=self.gw.routing.forget_cached)
             rollout = GatewayRollout(fleet, store, state, checkpoint=None, config=self.bridge)
             state.note("start", detail=f"back to {state.version} ({answer['chosen_by']})"
                                        + (f"; {answer['notice']}" if "notice" in answer else ""))

@@ -116,7 +116,7 @@ class BudgetEnforcer:
         self.prefix = prefix
         self.on_redis_error = on_redis_error
         self.reservation_ttl_s = reservation_ttl_s
-        self._clock = clock
+        self.clock = clock  # period keys follow this clock (UTC)
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
         self.redis_errors = 0
@@ -133,7 +133,7 @@ class BudgetEnforcer:
 
     async def reserve(self, key: ApiKey, max_cost: Cost | Decimal) -> Reservation:
         """Reserve a request's maximum cost; InsufficientQuota if a hard budget cannot cover it."""
-        period = period_id(key.budget_period, self._clock())
+        period = period_id(key.budget_period, self.clock())
         amount = to_nano(max_cost.total if isinstance(max_cost, Cost) else max_cost)
         rid = secrets.token_hex(8)
         if key.budget_usd is None:
@@ -174,7 +174,7 @@ class BudgetEnforcer:
             log.warning("budget settle failed for key %s: %s", key.id, e)
 
     async def status(self, key: ApiKey) -> BudgetStatus:
-        period = period_id(key.budget_period, self._clock())
+        period = period_id(key.budget_period, self.clock())
         spent, reserved = await self.redis.hmget(self._keys(key.id, period)[0], ["spent", "reserved"])
         return BudgetStatus(key_id=key.id, period=period, budget_usd=key.budget_usd,
                             spent_usd=from_nano(int(spent or 0)), reserved_usd=from_nano(int(reserved or 0)))

@@ -7,6 +7,7 @@ One engine start (~60-90 s here) and one restart for the whole module; the kill 
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import logging
@@ -30,9 +31,13 @@ from yieldgate.gateway.config import Config
 from yieldgate.serving.config import FleetConfig, LaunchSpec, ReplicaConfig
 from yieldgate.serving.launcher import Launcher
 
-CHAOS_PORT = 18201
+CHAOS_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")) + 201  # beside the test stack's ports
+# A small KV cache (2,048 blocks of 32 tokens) that a test can overflow: the engine then evicts
+# cached blocks and announces BlockRemoved. Room enough for the drills' 4,000-token streams.
+KV_BLOCKS = 2048
 ENGINE_ARGS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--max-num-seqs", "32",
-               "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+               "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--num-gpu-blocks-override", str(KV_BLOCKS)]
 
 
 def engine_metric(url: str, name: str) -> float:
@@ -268,7 +273,8 @@ def test_slow_client_does_not_make_the_gateway_buffer(stack, chaos_engine, gatew
 
 # -- an engine that stalls ---------------------------------------------------------------------
 
-def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, chaos_engine, gateway_factory):
+def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, chaos_engine, gateway_factory,
+                                                                         caplog):
     """A busy engine on a loaded host can stall for seconds; one slow /health must not eject it (a
     tier with one replica would answer 503s meanwhile), several in a row must."""
     config = gateway_config(stack, ("chaos-0", chaos_engine.url))
@@ -276,6 +282,8 @@ def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, 
     gw = gateway_factory(config)
     victim = gw.gateway.fleet.replicas["chaos-0"]
     wait_until(lambda: victim.healthy, 20, "the replica healthy")
+    caplog.set_level(logging.INFO, logger="yieldgate.fleet")
+    caplog.clear()
     group = chaos_engine.launcher.engines[0].process.pid
     answers: list[int] = []
     os.killpg(group, signal.SIGSTOP)
@@ -285,20 +293,77 @@ def test_a_stalled_replica_is_ejected_only_after_repeated_probe_timeouts(stack, 
             gw.url + "/v1/completions", timeout=120,
             json={"model": "demo", "prompt": "stalled", "max_tokens": 3}).status_code))
         waiting.start()
-        seen_while_healthy = set()
-        deadline = time.monotonic() + 30
-        while victim.healthy and time.monotonic() < deadline:
-            seen_while_healthy.add(victim.probe_timeouts)
-            time.sleep(0.05)
-        assert not victim.healthy, "a replica that stops answering must be ejected"
-        assert {1, 2, 3} <= seen_while_healthy, seen_while_healthy  # three timeouts in a row were tolerated
+        wait_until(lambda: not victim.healthy, 30, "a replica that stops answering to be ejected")
         assert victim.probe_timeouts >= 4
     finally:
         os.killpg(group, signal.SIGCONT)
+    # The fleet's own record of the probes, in order: three timeouts tolerated, the fourth ejects.
+    probes = [r.getMessage() for r in caplog.records if r.name == "yieldgate.fleet" and "chaos-0" in r.getMessage()]
+    assert probes[:4] == [f"replica chaos-0: health probe timed out ({n} in a row)" for n in (1, 2, 3)] + [
+        "replica chaos-0 is down"], probes
     wait_until(lambda: victim.healthy, 30, "the gateway to re-admit the resumed replica")
     assert victim.probe_timeouts == 0
     waiting.join(120)
     assert answers == [200]
+
+
+# -- an engine whose KV cache overflows ------------------------------------------------------------
+
+async def test_blocks_the_engine_evicts_leave_the_prefix_index(chaos_engine):
+    """vLLM evicts the least recently used cached blocks when a new prompt needs room and announces
+    BlockRemoved: the index fed by its events drops them too, instead of predicting hits there."""
+    import random
+
+    from yieldgate.cache import KVEventSubscriber, PrefixIndex
+
+    from yieldgate.serving.fleet import parse_engine_metrics
+
+    text = urllib.request.urlopen(chaos_engine.url + "/metrics", timeout=20).read().decode()
+    assert parse_engine_metrics(text)[1] == KV_BLOCKS, "the engine did not take the KV cache size override"
+    index = PrefixIndex()  # no capacity of its own set: what it holds is what the events say
+    subscriber = KVEventSubscriber("chaos-0", chaos_engine.replica.kv_events, index)
+    subscriber.start()
+    rng = random.Random(7)
+    blocks_per_prompt = 60
+
+    async def cached_after(prompt_ids: list[int]) -> set:
+        before = set(index.blocks("chaos-0"))
+        async with httpx.AsyncClient(timeout=120) as http:
+            r = await http.post(chaos_engine.url + "/v1/completions",
+                                json={"model": "demo", "prompt": prompt_ids, "max_tokens": 1})
+            r.raise_for_status()
+        for _ in range(200):  # the engine's events arrive a little after its answer
+            new = set(index.blocks("chaos-0")) - before
+            if len(new) >= blocks_per_prompt:
+                return new
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"only {len(new)} of {blocks_per_prompt} blocks announced")
+
+    def fresh_prompt() -> list[int]:  # random ids: no block of it is cached anywhere yet
+        return [rng.randrange(10, 1000) for _ in range(blocks_per_prompt * 32 + 5)]
+
+    try:
+        for attempt in range(3):  # PUB/SUB joins asynchronously: a first prompt can go unseen
+            try:
+                first = await cached_after(fresh_prompt())
+                break
+            except AssertionError:
+                if attempt == 2:
+                    raise
+        # Enough new prompts to fill the whole cache again: the first prompt's blocks are the
+        # least recently used, so they go first.
+        for _ in range(KV_BLOCKS // blocks_per_prompt + 6):
+            last = await cached_after(fresh_prompt())
+        held = set(index.blocks("chaos-0"))
+        stats = index.stats()
+        print(f"\n[chaos] KV cache of {KV_BLOCKS} blocks overflowed: index holds {len(held)} blocks, "
+              f"{stats.removed} removed by BlockRemoved events")
+        assert stats.removed > 0
+        assert not first & held, f"{len(first & held)} evicted blocks still in the index"
+        assert last <= held
+        assert len(held) <= KV_BLOCKS
+    finally:
+        await subscriber.stop()
 
 
 # -- an engine that dies under load --------------------------------------------------------------

@@ -40,11 +40,18 @@ def chaos_config(stack, tmp_path, redis_url: str, store: str) -> Config:
     return config
 
 
-def ask(url: str, i: int) -> tuple[int, str, Decimal]:
-    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+def ask(url: str, i: int, secret: str | None = None) -> tuple[int, str, Decimal]:
+    headers = {"authorization": f"Bearer {secret}"} if secret else {}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, headers=headers, json={
         "model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": f"chaos {i}"}]})
     cost = Decimal(r.headers.get("x-yieldgate-cost-usd", "0"))
     return r.status_code, r.headers.get("x-request-id", ""), cost
+
+
+def create_key(url: str, **spec) -> str:
+    resp = httpx.post(url + "/admin/keys", json=spec, headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    assert resp.status_code == 201, resp.text
+    return resp.json()["secret"]
 
 
 def ledger(url: str) -> dict[str, list[dict[str, str]]]:
@@ -125,22 +132,26 @@ def test_redis_outage_under_load_keeps_serving_and_reconciles(stack, tmp_path, p
                                                                gateway_process_factory):
     config = chaos_config(stack, tmp_path, private_redis.url, "redis")
     gw = gateway_process_factory(config)
+    # Every second request is keyed with a limit and a budget: both need Redis, and the default
+    # on_redis_error = "open" serves them unenforced while it is gone.
+    secret = create_key(gw.url, team="chaos", rpm=100_000, budget_usd="100", budget_period="total")
     answered: list[tuple[int, str, Decimal]] = []
     errors: list[str] = []  # a timeout or dropped connection: a failed request, not a dead thread
-    answered_at: list[float] = []  # when each 200 came back
+    answered_at: list[tuple[float, bool]] = []  # when each 200 came back, and whether it was keyed
     stop = threading.Event()
 
     def load() -> None:
         i = 0
         while not stop.is_set():
+            keyed = i % 2 == 1
             try:
-                a = ask(gw.url, i)
+                a = ask(gw.url, i, secret if keyed else None)
             except Exception as exc:
                 errors.append(f"request {i}: {type(exc).__name__}: {exc}")
             else:
                 answered.append(a)
                 if a[0] == 200:
-                    answered_at.append(time.monotonic())
+                    answered_at.append((time.monotonic(), keyed))
             i += 1
 
     worker = threading.Thread(target=load)
@@ -158,10 +169,38 @@ def test_redis_outage_under_load_keeps_serving_and_reconciles(stack, tmp_path, p
         worker.join(60)
     assert not worker.is_alive(), "the load thread did not finish"
     failed = [a for a in answered if a[0] != 200]
-    during = sum(down_at < t < up_at for t in answered_at)
-    print(f"\n[chaos] Redis down 30 s: {len(answered)} requests ({during} answered during the outage), "
-          f"{len(failed)} failed, {len(errors)} errors")
-    # Documented policy: anonymous traffic needs no Redis; keyed traffic fails open by default.
+    during = [keyed for t, keyed in answered_at if down_at < t < up_at]
+    print(f"\n[chaos] Redis down 30 s: {len(answered)} requests ({len(during)} answered during the outage, "
+          f"{sum(during)} of them keyed), {len(failed)} failed, {len(errors)} errors")
+    # Documented policy: anonymous traffic needs no Redis; keyed traffic fails open by default
+    # (a key cached before the outage is honoured past its cache TTL).
     assert errors == [] and failed == []
-    assert during > 0, "no request was answered while Redis was down"
+    assert during.count(False) > 0, "no anonymous request was answered while Redis was down"
+    assert during.count(True) > 0, "no keyed request was answered while Redis was down"
     reconcile(gw.url, answered, timeout=90)
+
+
+def test_redis_outage_in_closed_mode_refuses_keyed_requests_only(stack, tmp_path, private_redis, gateway_factory):
+    config = chaos_config(stack, tmp_path, private_redis.url, "sqlite")
+    config.pricing.limits.on_redis_error = "closed"
+    gw = gateway_factory(config)
+    secret = create_key(gw.url, team="closed", rpm=100_000, budget_usd="100", budget_period="total")
+    assert ask(gw.url, 0, secret)[0] == 200
+    private_redis.stop()
+    try:
+        for i in range(4):
+            r = httpx.post(gw.url + "/v1/chat/completions", timeout=60,
+                           headers={"authorization": f"Bearer {secret}"},
+                           json={"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable"
+            # The key is cached (limits unknown: limiter) or its cache entry expired (key store).
+            assert err["code"] in ("limiter_unavailable", "key_store_unavailable")
+            assert ask(gw.url, i)[0] == 200  # anonymous traffic needs no Redis
+    finally:
+        private_redis.start()
+    deadline = time.monotonic() + 20  # the gateway's Redis pool reconnects on its next use
+    while (status := ask(gw.url, 9, secret)[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert status == 200

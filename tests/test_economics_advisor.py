@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -31,3 +32,52 @@ def test_timestamp_in_system_prompt_is_reported_as_a_cache_breaker(client, stack
     assert anon["lost_tokens"] >= 3 * 100  # the stable text after the clock was recomputed each time
     assert anon["median_break_position"] < 32  # the break sits in the first block
     assert anon["advice"]
+
+
+TOOLS = [
+    {"name": name, "description": f"{what}. " + "Call it only when the customer asks about this. " * 3,
+     "parameters": {"type": "object", "properties": {field: {"type": "string", "description": f"the {field}"}},
+                    "required": [field]}}
+    for name, what, field in (("lookup_order", "Find an order by its number", "order_number"),
+                              ("start_return", "Open a return for a delivered order", "order_number"),
+                              ("check_stock", "Count the units of a product in a store", "product_sku"),
+                              ("store_hours", "Opening hours of one store on one day", "store_id"))]
+
+
+def test_reordered_tools_are_reported_as_a_cache_breaker(stack, gateway_factory, redis_url):
+    """An agent framework that serializes its tools into the system prompt in a different order on
+    every turn (the demo chat template renders no `tools` field, so they travel in the prompt)."""
+    from yieldgate.gateway.config import Config, ServerConfig
+    from yieldgate.serving.config import FleetConfig, ReplicaConfig
+
+    admin = "adv-admin-" + uuid.uuid4().hex[:8]
+    # A gateway of its own: its advisor has seen no other test's traffic.
+    gw = gateway_factory(Config(
+        server=ServerConfig(admin_token=admin, redis_url=redis_url),
+        fleet=FleetConfig(model="demo", model_path=str(stack.model_dir), health_interval_s=0.5,
+                          replicas=[ReplicaConfig(name="standard-0", tier="standard", url=stack.engines["standard"])])))
+    session = "adv-tools-" + uuid.uuid4().hex[:8]
+    orders = [[0, 1, 2, 3], [2, 0, 3, 1], [3, 2, 1, 0], [1, 3, 0, 2]]
+    for i, order in enumerate(orders):
+        system = "You are the store's agent. Tools:\n" + "\n".join(json.dumps(TOOLS[t]) for t in order)
+        resp = httpx.post(gw.url + "/v1/chat/completions", timeout=60, headers={"x-session-id": session}, json={
+            "model": "demo", "max_tokens": 1,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]})
+        assert resp.status_code == 200, resp.text
+    auth = {"authorization": f"Bearer {admin}"}
+    deadline = time.monotonic() + 10
+    while True:  # the advisor runs just after the response, on the event loop
+        report = httpx.get(gw.url + "/admin/cache-advisor", params={"key_id": "anonymous"}, headers=auth,
+                           timeout=10).json()["data"][0]
+        if report["requests"] >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert report["requests"] == 3  # each prompt after the first, against its predecessor
+    assert report["breaks"] == report["reordered_breaks"] == 3
+    assert report["volatile_span_breaks"] == 0
+    assert report["lost_tokens"] >= 3 * 100  # the tools after the first moved one were recomputed
+    assert "reordered" in report["advice"] and "stable order" in report["advice"]
+    # The dashboard lists the same key as a cache breaker.
+    data = httpx.get(gw.url + "/dashboard/data", headers=auth, timeout=10).json()
+    breaker = next(b for b in data["cache_breakers"] if b["key_id"] == "anonymous")
+    assert breaker["breaks"] == 3 and breaker["advice"] == report["advice"]

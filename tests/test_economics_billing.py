@@ -201,6 +201,39 @@ def test_feedback_feeds_the_success_report(econ):
     assert base["tasks_graded"] >= 2 and base["successes"] >= 1
 
 
+def test_spend_csv_rows_are_the_ledger_summed_by_group(econ):
+    sessions = {f"sess-csv-{uuid.uuid4().hex[:8]}": n for n in (2, 1)}
+    told: dict[str, list[Decimal]] = {}  # session -> the costs the client was told
+    ids: list[str] = []
+    for session, n in sessions.items():
+        for i in range(n):
+            resp = httpx.post(econ.url + "/v1/chat/completions", timeout=60, headers={"x-session-id": session},
+                              json={"model": "demo", "messages": [{"role": "user", "content": f"csv {i}"}],
+                                    "max_tokens": 3 + i})
+            assert resp.status_code == 200
+            told.setdefault(session, []).append(Decimal(resp.headers["x-yieldgate-cost-usd"]))
+            ids.append(resp.headers["x-request-id"])
+    for rid in ids:
+        assert wait_for_record(econ.url, rid)
+    resp = httpx.get(econ.url + "/admin/spend.csv", params={"group_by": "session_id,tier"},
+                     headers={"authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/csv")
+    reader = csv.DictReader(io.StringIO(resp.text))
+    sums = ["prompt_tokens", "cached_tokens", "completion_tokens", "cost_uncached_input", "cost_cached_input",
+            "cost_output", "cost_total"]
+    assert reader.fieldnames == ["session_id", "tier", "requests", "errors", *sums]
+    rows = {r["session_id"]: r for r in reader if r["session_id"] in sessions}
+    assert set(rows) == set(sessions)
+    ledger = ledger_rows(econ.url)
+    for session, n in sessions.items():
+        mine = [r for r in ledger if r["session_id"] == session]
+        row = rows[session]
+        assert (row["tier"], int(row["requests"]), int(row["errors"])) == ("standard", n, 0)
+        for field in sums:
+            assert Decimal(row[field]) == sum(Decimal(r[field]) for r in mine), (session, field)
+        assert Decimal(row["cost_total"]) == sum(told[session])
+
+
 def test_admin_reports_need_the_admin_token(econ):
     for path in ("/admin/keys", "/admin/spend", "/admin/spend.csv", "/admin/yield", "/admin/success",
                  "/admin/cache-advisor", "/admin/ledger.csv"):

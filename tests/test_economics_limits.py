@@ -143,3 +143,71 @@ def test_open_mode_needs_no_redis(stack, tmp_path, gateway_factory):
     r = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer yg-abc-def"},
                    timeout=30)
     assert r.status_code in (401, 503)
+
+
+def test_tpm_limit_is_429_with_retry_after(keyed):
+    tpm = 80
+    _, secret = create_key(keyed.url, team="tpm", tpm=tpm)
+    served: list[int] = []
+    limited = None
+    for _ in range(12):  # each request is ~25 tokens: the limit is reached within a few
+        resp = chat(keyed.url, secret)
+        if resp.status_code != 200:
+            limited = resp
+            break
+        served.append(resp.json()["usage"]["total_tokens"])
+    assert limited is not None, f"{len(served)} requests ({sum(served)} tokens) under tpm={tpm} all served"
+    assert limited.status_code == 429
+    err = limited.json()["error"]
+    assert (err["type"], err["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "(tpm)" in err["message"]
+    assert 1 <= int(limited.headers["retry-after"]) <= 120
+    # Completion tokens count too (added after each answer): what was served fits the limit, give
+    # or take the one request whose completion was counted after the next one was admitted.
+    assert len(served) >= 1 and sum(served) <= tpm + max(served)
+    # The other keys are not limited by this one's tokens.
+    _, other = create_key(keyed.url, team="tpm-other", tpm=tpm)
+    assert chat(keyed.url, other).status_code == 200
+
+
+def test_closed_mode_without_redis_is_503_for_keyed_requests(stack, tmp_path, gateway_factory):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    config = economics_config(stack, tmp_path, dead)
+    config.pricing.limits.on_redis_error = "closed"
+    gw = gateway_factory(config)
+    r = chat(gw.url, "yg-abc-def")
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and err["code"] == "key_store_unavailable"
+    # Anonymous traffic needs no Redis in either mode.
+    assert chat(gw.url, None).status_code == 200
+
+
+def test_budget_period_rollover_lets_spending_start_again(keyed):
+    budget = keyed.gateway.accounting.budget
+    day = [time.time()]
+    budget.clock = lambda: day[0]  # the enforcer keys budgets by the UTC day of this clock
+    book = PriceBook(keyed.gateway.config.pricing)
+    max_one = book.max_cost("demo", "standard", 64, 4).total
+    key_id, secret = create_key(keyed.url, team="daily", budget_usd=str(max_one * 2), budget_period="daily")
+
+    def spend_until_refused() -> int:
+        for served in range(12):
+            resp = chat(keyed.url, secret)
+            if resp.status_code != 200:
+                assert resp.status_code == 429 and resp.json()["error"]["code"] == "insufficient_quota"
+                return served
+        raise AssertionError("a budget of two requests' maximum cost served 12 requests")
+
+    assert spend_until_refused() >= 2
+    yesterday = day[0]
+    day[0] += 86400  # the next UTC day: a new period with nothing spent
+    assert spend_until_refused() >= 2
+    day[0] = yesterday  # the old period is still spent
+    refused = chat(keyed.url, secret)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+    entry = next(e for e in httpx.get(keyed.url + "/admin/keys", headers=AUTH).json()["data"]
+                 if e["key"]["id"] == key_id)
+    assert entry["budget"]["period"] == time.strftime("d%Y-%m-%d", time.gmtime(yesterday))

@@ -9,6 +9,8 @@ behind an in-process gateway; no session stack.
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import threading
 import time
@@ -34,11 +36,14 @@ ADMIN = "relay-admin-" + os.urandom(4).hex()
 PROMPT = "Once upon a time"
 NEW = "relay-1"
 TEXTS: dict[str, str] = {}  # version -> greedy text, remembered across this module's tests
+LABELS: dict[str, str] = {}  # request id -> x-yieldgate-weight-version of its answer, during the push
+CACHED = (f"[cached before push {os.urandom(4).hex()}] " + " ".join(f"verse {i} of the old weights' song" for i in range(40)))
 
 
 @pytest.fixture(scope="module")
 def relayed_fleet(tmp_path_factory, redis_url):
-    """-> (gateway URL, {replica name: engine URL}, model dir): two engines without the plugin."""
+    """-> (gateway URL, {replica name: engine URL}, model dir, the gateway): two engines without
+    the plugin, and no KV events: what the gateway knows of their caches comes from routing."""
     from yieldgate.serving.demo_model import ensure_demo_model
 
     model_dir = ensure_demo_model()
@@ -59,7 +64,7 @@ def relayed_fleet(tmp_path_factory, redis_url):
                                   replicas=[ReplicaConfig(name=n, tier="standard", url=u)
                                             for n, u in urls.items()]))
             gateway = EmbeddedGateway(config)
-            yield gateway.url, urls, Path(model_dir)
+            yield gateway.url, urls, Path(model_dir), gateway
     finally:
         if gateway is not None:
             gateway.stop()
@@ -85,8 +90,20 @@ def engine_state(url: str) -> tuple[str, str]:
     return version, complete(url).json()["choices"][0]["text"]
 
 
+def cached_prompt_hashes(gw: EmbeddedGateway) -> list:
+    routing = gw.gateway.routing
+    return routing.routers["standard"].hasher.hashes(routing.tokenizer.encode(CACHED))
+
+
+def ask_cached(gateway: str) -> httpx.Response:
+    r = httpx.post(gateway + "/v1/completions", timeout=120,
+                   json={"model": "demo", "prompt": CACHED, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return r
+
+
 def test_one_call_push_into_engines_without_the_plugin_is_relayed_and_reloaded(relayed_fleet):
-    gateway, engines, model_dir = relayed_fleet
+    gateway, engines, model_dir, gw = relayed_fleet
     for url in engines.values():
         with EngineClient(url, 60.0) as client:
             assert client.transfer_backend() is None  # really no weight-transfer backend
@@ -101,6 +118,13 @@ def test_one_call_push_into_engines_without_the_plugin_is_relayed_and_reloaded(r
     base_text = before["relay-0"][1]
     assert {t for _, t in before.values()} == {base_text}
     TEXTS["default"] = base_text
+
+    # A prompt cached before the push: the gateway predicts its hit from the prefix index.
+    ask_cached(gateway)
+    home = ask_cached(gateway)
+    assert int(home.headers["x-yieldgate-predicted-cached-tokens"]) >= 32 * 8
+    hashes = cached_prompt_hashes(gw)
+    assert home.headers["x-yieldgate-replica"] in gw.gateway.routing.index.match(hashes)
 
     base = load_file(str(model_dir / "model.safetensors"))
     g = torch.Generator().manual_seed(21)
@@ -123,6 +147,7 @@ def test_one_call_push_into_engines_without_the_plugin_is_relayed_and_reloaded(r
                     continue
                 seen.append((r.status_code, r.headers.get("x-yieldgate-replica", ""),
                              r.headers.get("x-yieldgate-weight-version", ""), text))
+                LABELS[r.headers.get("x-request-id", "")] = r.headers.get("x-yieldgate-weight-version", "")
                 seen_at.append(time.monotonic())
 
     threads = [threading.Thread(target=load) for _ in range(2)]
@@ -182,9 +207,43 @@ def test_one_call_push_into_engines_without_the_plugin_is_relayed_and_reloaded(r
     assert r.headers["x-yieldgate-weight-version"] == NEW
     assert r.json()["choices"][0]["text"] == new_text
 
+    # Each engine reset its prefix cache with the new weights: the index holds nothing it knew
+    # before the push, and the prompt cached then is predicted to miss.
+    assert gw.gateway.routing.index.match(hashes) == {}
+    assert int(ask_cached(gateway).headers["x-yieldgate-predicted-cached-tokens"]) == 0
+
+
+def test_ledger_and_success_report_name_the_weights_of_each_answer(relayed_fleet):
+    gateway, engines, _model_dir, _gw = relayed_fleet
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    assert set(LABELS.values()) == {"base", NEW}, "the push test's load saw both versions"
+    deadline = time.monotonic() + 30
+    while True:
+        resp = httpx.get(gateway + "/admin/ledger.csv", headers=auth, timeout=60)
+        rows = {r["request_id"]: r for r in csv.DictReader(io.StringIO(resp.text))}
+        if set(LABELS) <= set(rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert set(LABELS) <= set(rows)
+    # The ledger names the weights that made each answer, as its response header did.
+    assert {rid: rows[rid]["weight_version"] for rid in LABELS} == LABELS
+    # Grade one answer of each version: the success report splits by weight version.
+    by_version = {}
+    for rid, version in LABELS.items():
+        by_version.setdefault(version, rid)
+    for version, rid in by_version.items():
+        fb = httpx.post(gateway + "/v1/feedback", json={"request_id": rid, "passed": version == NEW}, timeout=10)
+        assert fb.status_code == 200, fb.text
+    report = httpx.get(gateway + "/admin/success", params={"group_by": "weight_version"}, headers=auth,
+                       timeout=30).json()
+    rows_by_version = {r["group"]["weight_version"]: r for r in report["rows"]}
+    assert rows_by_version[NEW]["requests"] >= sum(v == NEW for v in LABELS.values())
+    assert (rows_by_version[NEW]["tasks_graded"], rows_by_version[NEW]["successes"]) == (1, 1)
+    assert (rows_by_version["base"]["tasks_graded"], rows_by_version["base"]["successes"]) == (1, 0)
+
 
 def test_rollback_after_a_relayed_push_restores_base(relayed_fleet):
-    gateway, engines, _model_dir = relayed_fleet
+    gateway, engines, _model_dir, _gw = relayed_fleet
     resp = httpx.post(gateway + "/admin/weights/rollback", json={}, timeout=300,
                       headers={"Authorization": f"Bearer {ADMIN}"})
     assert resp.status_code == 200, resp.text
