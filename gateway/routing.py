@@ -146,12 +146,9 @@ class Routing:
         if router is not None:
             router.done(decision)
 
-    def forget(self, replica: str) -> None:
-        """The replica's engine restarted: nothing it cached before is there any more."""
-        self.index.clear(replica)
-
     def forget_cached(self, replica: str) -> None:
-        """The replica's engine dropped its prefix cache (new weights): route as if it held nothing."""
+        """The replica's engine dropped its prefix cache (new weights, or a restart): route as if
+        it held nothing."""
         self.index.clear(replica)
 
     def stats(self) -> dict[str, Any]:

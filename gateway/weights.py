@@ -419,7 +419,7 @@ class WeightOrchestrator:
                 raise RuntimeError(state.reason)
             replica.label_weights(want)
             replica.note = ""
-            self.gw.routing.forget(replica.name)  # the new process's KV cache is empty
+            self.gw.routing.forget_cached(replica.name)  # the new process's KV cache is empty
             state.state, state.finished_at = "succeeded", time.time()
             state.note("succeeded", replica.name, want)
             log.warning("replica %s: restored %s after an engine restart", replica.name, want)
