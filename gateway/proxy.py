@@ -231,6 +231,7 @@ class Proxy:
                 break
             except _RETRYABLE as exc:
                 failed.add(replica.name)
+                self.accounting.metrics.retries.labels(ctx.tier).inc()
                 log.warning("replica %s failed while answering (%.2f s into the request: %s: %s)",
                             replica.name, time.perf_counter() - ctx.started, type(exc).__name__, exc)
                 if attempt == 1:
