@@ -33,6 +33,9 @@ SCRAPED = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
+    # The engine API server's start (prometheus_client's process collector): a new value is a
+    # restarted engine, even one restarted between two health probes.
+    "process_start_time_seconds",
 )
 
 
@@ -52,6 +55,7 @@ class Replica:
     consecutive_failures: int = 0
     probe_timeouts: int = 0        # health probes in a row that timed out
     seen_up: bool = False          # answered health at least once since the gateway started
+    engine_started: float | None = None  # its engine's process start time, when it reports one
     restoring: bool = False        # back from a restart; its weights are being put back
     note: str = ""                 # why it is out of routing, when it is for a reason of ours
 
@@ -193,22 +197,43 @@ class Fleet:
         self.set_health(replica, ok)
 
     async def _on_up(self, replica: Replica) -> None:
-        """Label responses with what the engine really serves (it may have been updated before).
-        A replica that was up before and returns serving other weights than its label restarted:
-        it stays out of routing until the restore hook has put its labelled version back."""
+        """Label responses with what the engine really serves (it may have been updated before)."""
+        started = await self._engine_started(replica)
+        restarted = started is not None and replica.engine_started not in (None, started)
+        if started is not None:
+            replica.engine_started = started
+        # Without a start time to tell, a replica seen before that returns on other weights is
+        # taken for a restarted one.
+        await self._check_weights(replica, restarted or (started is None and replica.seen_up))
+
+    async def _check_weights(self, replica: Replica, restarted: bool) -> None:
+        """An engine that restarted serves its launch weights: it stays out of routing until the
+        restore hook has put its labelled version back. Otherwise the engine's own version is
+        the label (a version another gateway pushed, say)."""
         # The answer may predate a swap that a rollout labelled while it was on its way (asked
         # before the engine committed, answered after the rollout verified): then it is dropped.
         generation = replica.weight_generation
         version = await self._engine_version(replica)
         if version is None or replica.weight_generation != generation or version == replica.weight_version:
             return
-        if replica.seen_up and self.restore is not None and replica.name not in self._restores:
-            log.warning("replica %s is back serving %s, labelled %s: restoring its weights",
+        if restarted and self.restore is not None and replica.name not in self._restores:
+            log.warning("replica %s restarted serving %s, labelled %s: restoring its weights",
                         replica.name, version, replica.weight_version)
             replica.restoring = True
             self._restores[replica.name] = asyncio.create_task(self._restore(replica, version))
         elif replica.name not in self._restores:
             replica.weight_version = version
+
+    async def _engine_started(self, replica: Replica) -> float | None:
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/metrics") as resp:
+                if resp.status != 200:
+                    return None
+                values, _ = parse_engine_metrics(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
+        return values.get("process_start_time_seconds")
 
     async def _restore(self, replica: Replica, found: str) -> None:
         assert self.restore is not None
@@ -260,6 +285,13 @@ class Fleet:
         replica.engine_metrics = values
         if capacity:
             replica.kv_capacity_blocks = capacity
+        started = values.get("process_start_time_seconds")
+        if started is not None and replica.engine_started not in (None, started):
+            # Restarted between two health probes: never seen down, yet on its launch weights.
+            replica.engine_started = started
+            await self._check_weights(replica, restarted=True)
+        elif started is not None:
+            replica.engine_started = started
 
 
 def parse_engine_metrics(text: str) -> tuple[dict[str, float], int | None]:

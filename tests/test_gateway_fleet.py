@@ -129,11 +129,19 @@ def test_a_replica_back_on_other_weights_than_the_store_holds_stays_out_saying_w
     gw = gateway_factory(fleet_config(stack, [stack.engines["standard"]], [stack.engines["fast"]]))
     std = gw.gateway.fleet.replicas["std-0"]
     deadline = time.monotonic() + 30
-    while not (std.routable and std.seen_up):
+    while not (std.routable and std.seen_up and std.engine_started):
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    # As if its engine had restarted after serving a version this gateway never stored:
-    std.weight_version, std.healthy = "ghost-1", False
+    # Down and back on other weights than its label, same engine process (another gateway pushed,
+    # say): the engine's version becomes the label, nothing is reloaded.
+    std.weight_version, std.healthy = "ghost-0", False
+    while std.weight_version != "base":
+        assert time.monotonic() < deadline + 30, "label not read back from the engine"
+        time.sleep(0.1)
+    assert std.routable and not std.note and not std.restoring
+    # As if its engine had restarted (another process start time) after serving a version this
+    # gateway never stored:
+    std.weight_version, std.healthy, std.engine_started = "ghost-1", False, std.engine_started - 1.0
     deadline = time.monotonic() + 60
     while not std.note:
         assert time.monotonic() < deadline, "no restore attempt"
