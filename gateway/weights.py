@@ -484,10 +484,10 @@ class WeightOrchestrator:
         }
 
     def _weight_history(self) -> list[dict[str, Any]]:
-        stored = set(self.store.versions())
         entries = self.store.history.describe(gateway_label)
         for entry in entries:
-            entry["stored"] = engine_label(entry["version"]) in stored
+            # base counts as stored: the launch weights are read from the model once evicted.
+            entry["stored"] = self.store.source(engine_label(entry["version"])) is not None
         return entries
 
     def _observe(self, replicas: list[Replica]) -> None:
