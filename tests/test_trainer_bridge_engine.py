@@ -263,6 +263,15 @@ async def test_rolling_rollout_advances_then_rolls_back_on_failed_eval(engine, o
     store.adopt("base", model_dir)  # what on_base pushed
     fleet = EngineFleet([url])
     rollout = Rollout(fleet, store, current_token=TOKEN)
+    try:
+        await rolling_rollout_story(url, fleet, store, rollout, before, base_weights)
+    finally:
+        # Each rollout rotated the push token; hand the module's token back to the other tests.
+        if rollout.token != TOKEN:
+            arm_engine(url, TOKEN, current_token=rollout.token)
+
+
+async def rolling_rollout_story(url, fleet, store, rollout, before, base_weights) -> None:
     report = await rollout.run(perturbed(base_weights, 5), "r1")
     assert report.methods == {url: "push"} and report.previous == {url: "base"}
     assert engine_weight_version(url) == "r1"
@@ -298,9 +307,7 @@ async def test_rolling_rollout_advances_then_rolls_back_on_failed_eval(engine, o
     assert await rollout.rollback() == {url: "base"}
     assert engine_weight_version(url) == "base"
     assert text(url) == before
-    # Each rollout rotated the push token; hand the module's token back to the other tests.
-    assert rollout.token != TOKEN
-    arm_engine(url, TOKEN, current_token=rollout.token)
+    assert rollout.token != TOKEN  # each rollout rotated the push token
 
 
 def test_vllm_trainer_factory_drives_the_yieldgate_backend(engine, on_base):
