@@ -267,7 +267,8 @@ class GatewayRollout(Rollout):
 
     def __init__(self, fleet: RolloutFleet, store: CheckpointStore, state: RolloutState, *,
                  checkpoint: Path | None = None, **kwargs: Any) -> None:
-        super().__init__(fleet, store, **kwargs)
+        # The fleet records the history under replica names (RolloutFleet._record).
+        super().__init__(fleet, store, record_history=False, **kwargs)
         self.rfleet = fleet
         self.state = state
         self.checkpoint = checkpoint
@@ -288,10 +289,10 @@ class GatewayRollout(Rollout):
         name = self.rfleet.by_url[replica].name if replica in self.rfleet.by_url else replica
         self.state.note(event, name, detail)
 
-    async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
+    async def _restore(self, replicas: list[str], previous: dict[str, str], **kw: Any) -> None:
         self.rfleet.verified.clear()  # restored replicas are labelled from the engine again
         self.rfleet.touched.update(replicas)
-        await super()._restore(replicas, previous)
+        await super()._restore(replicas, previous, **kw)
 
     def _stage_targets(self, replicas: list[str]) -> list[str]:
         # A checkpoint rollout reloads from disk; only pushed weights are staged over the wire.
@@ -483,10 +484,10 @@ class WeightOrchestrator:
         }
 
     def _weight_history(self) -> list[dict[str, Any]]:
-        stored = set(self.store.versions())
         entries = self.store.history.describe(gateway_label)
         for entry in entries:
-            entry["stored"] = engine_label(entry["version"]) in stored
+            # base counts as stored: the launch weights are read from the model once evicted.
+            entry["stored"] = self.store.source(engine_label(entry["version"])) is not None
         return entries
 
     def _observe(self, replicas: list[Replica]) -> None:

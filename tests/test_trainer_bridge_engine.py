@@ -263,6 +263,15 @@ async def test_rolling_rollout_advances_then_rolls_back_on_failed_eval(engine, o
     store.adopt("base", model_dir)  # what on_base pushed
     fleet = EngineFleet([url])
     rollout = Rollout(fleet, store, current_token=TOKEN)
+    try:
+        await rolling_rollout_story(url, fleet, store, rollout, before, base_weights)
+    finally:
+        # Each rollout rotated the push token; hand the module's token back to the other tests.
+        if rollout.token != TOKEN:
+            arm_engine(url, TOKEN, current_token=rollout.token)
+
+
+async def rolling_rollout_story(url, fleet, store, rollout, before, base_weights) -> None:
     report = await rollout.run(perturbed(base_weights, 5), "r1")
     assert report.methods == {url: "push"} and report.previous == {url: "base"}
     assert engine_weight_version(url) == "r1"
@@ -286,13 +295,19 @@ async def test_rolling_rollout_advances_then_rolls_back_on_failed_eval(engine, o
     await rollout.run(perturbed(base_weights, 7), "r3")
     assert engine_weight_version(url) == "r3"
     assert store.versions() == ["base", "r1", "r3"]  # the rejected r2 was not kept
-    # Rollback to N-1 is one call.
-    assert await rollout.rollback() == "r1"
+    # Rollback is one call, back to what the engine served before (the history, not the store's
+    # order: r2 failed its evaluation).
+    assert await rollout.rollback() == {url: "r1"}
     assert engine_weight_version(url) == "r1"
     assert text(url) == r1_text
-    # Each rollout rotated the push token; hand the module's token back to the other tests.
-    assert rollout.token != TOKEN
-    arm_engine(url, TOKEN, current_token=rollout.token)
+    assert url in fleet.routable
+    # Again: r3 was rolled back and r2 failed, so the way back from r1 is the launch weights
+    # (the store's second-newest, r1, is what the engine serves already).
+    assert store.versions()[-2] == "r1"
+    assert await rollout.rollback() == {url: "base"}
+    assert engine_weight_version(url) == "base"
+    assert text(url) == before
+    assert rollout.token != TOKEN  # each rollout rotated the push token
 
 
 def test_vllm_trainer_factory_drives_the_yieldgate_backend(engine, on_base):

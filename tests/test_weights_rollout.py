@@ -61,33 +61,56 @@ def complete(gateway: str, prompt: str = PROMPT, model: str = "demo", max_tokens
 
 
 def push_under_load(stack, threads: list[threading.Thread], stop: threading.Event, weights, version: str,
-                    **kw):
-    """Push through the gateway while `threads` send requests (from 1 s before to 1 s after)."""
+                    window: list[float] | None = None, **kw):
+    """Push through the gateway while `threads` send requests (from 1 s before to 1 s after).
+    `window` gets the push's (start, end) on the time.monotonic() clock the load records."""
     for t in threads:
         t.start()
     try:
         time.sleep(1.0)
-        report = push(weights, version, gateway=stack.gateway_url, token=stack.admin_token,
-                      progress=False, **kw)
+        started = time.monotonic()
+        try:
+            report = push(weights, version, gateway=stack.gateway_url, token=stack.admin_token,
+                          progress=False, **kw)
+        finally:
+            if window is not None:
+                window[:] = [started, time.monotonic()]
         time.sleep(1.0)
     finally:
         stop.set()
         for t in threads:
             t.join(60)
+    assert not [t for t in threads if t.is_alive()], "a load thread did not stop"
     return report
+
+
+def answer(http: httpx.Client, model: str, stream: bool = False) -> tuple[str, str, int, str]:
+    """One greedy completion through the gateway -> (replica, version label, status, text);
+    status 0 if it raised (a dropped connection is a failed request, like a 5xx)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
+    try:
+        if not stream:
+            r = http.post("/v1/completions", json=body)
+            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
+        else:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+                text = "".join(choice["text"] for c in chunks for choice in json.loads(c).get("choices", []))
+    except Exception as exc:  # noqa: BLE001 - recorded, and the test fails on it
+        return "", "", 0, f"{type(exc).__name__}: {exc}"
+    return (r.headers.get("x-yieldgate-replica", ""), r.headers.get("x-yieldgate-weight-version", ""),
+            r.status_code, text)
 
 
 def recorded_load(stack, seen: list, stop: threading.Event, model: str) -> threading.Thread:
     """A client that keeps asking `model` for the same greedy completion; records (model, status,
-    version label, text) of every answer."""
+    version label, text, time.monotonic()) of every answer (status 0: the request raised)."""
 
     def run() -> None:
-        with httpx.Client(timeout=120) as http:
+        with httpx.Client(base_url=stack.gateway_url, timeout=120) as http:
             while not stop.is_set():
-                r = http.post(stack.gateway_url + "/v1/completions", json={
-                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
-                seen.append((model, r.status_code, r.headers.get("x-yieldgate-weight-version", ""), text))
+                _, version, status, text = answer(http, model)
+                seen.append((model, status, version, text, time.monotonic()))
 
     return threading.Thread(target=run)
 
@@ -97,13 +120,13 @@ def snapshot_texts(stack) -> dict[str, str]:
             for m in ("demo", "demo:fast")}
 
 
-def base_and_recorded_load(stack, admin) -> tuple[dict[str, str], list[tuple[str, int, str, str]],
+def base_and_recorded_load(stack, admin) -> tuple[dict[str, str], list[tuple[str, int, str, str, float]],
                                                   list[threading.Thread], threading.Event]:
     """For a push expected to leave base in place: what base answers per model, and one
     `recorded_load` client per model (not started: `push_under_load` runs them)."""
     assert set(versions(admin).values()) == {"base"}
     base_text = snapshot_texts(stack)
-    seen: list[tuple[str, int, str, str]] = []  # (model, status, version label, text)
+    seen: list[tuple[str, int, str, str, float]] = []  # (model, status, version label, text, t)
     stop = threading.Event()
     threads = [recorded_load(stack, seen, stop, m) for m in ("demo", "demo:fast")]
     return base_text, seen, threads, stop
@@ -131,31 +154,37 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
         usage = complete(engine, LONG_PROMPT, max_tokens=1).json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
-    seen: list[tuple[float, str, str, int, str]] = []  # (t, replica, version, status, fingerprint)
+    base_text = snapshot_texts(stack)
+    seen: list[tuple[float, str, str, int, str, str]] = []  # (t, replica, version, status, text, model)
     stop = threading.Event()
 
     def load(model: str) -> None:
-        with httpx.Client(timeout=120) as http:
+        with httpx.Client(base_url=stack.gateway_url, timeout=120) as http:
             while not stop.is_set():
-                r = http.post(stack.gateway_url + "/v1/completions", json={
-                    "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
-                fp = r.json().get("system_fingerprint", "") if r.status_code == 200 else r.text[:200]
-                seen.append((time.monotonic(), r.headers.get("x-yieldgate-replica", ""),
-                             r.headers.get("x-yieldgate-weight-version", ""), r.status_code, fp))
+                replica, version, status, text = answer(http, model)
+                seen.append((time.monotonic(), replica, version, status, text, model))
 
     threads = [threading.Thread(target=load, args=(m,)) for m in ("demo", "demo:fast")]
-    report = push_under_load(stack, threads, stop, perturbed(base_weights, 1), NEW)
+    window: list[float] = []
+    report = push_under_load(stack, threads, stop, perturbed(base_weights, 1), NEW, window=window)
 
     assert report.version == NEW
     failed = [s for s in seen if s[3] != 200]
     assert not failed, failed[:5]
-    assert {s[2] for s in seen} <= {"base", NEW}
-    assert all(fp == f"yieldgate-{v}" for _, _, v, _, fp in seen)
+    assert set(versions(admin).values()) == {NEW}
+    # Requests were answered while the push ran, by both versions: one tier's replica was on the
+    # new weights while the other still served the old ones.
+    during = [s for s in seen if window[0] <= s[0] <= window[1]]
+    assert {s[2] for s in during} == {"base", NEW}, {s[2] for s in during}
+    # The label is the truth: each response's text is that of the weights it names.
+    expected = {"base": base_text, NEW: snapshot_texts(stack)}
+    assert expected[NEW] != base_text
+    wrong = [s for s in seen if s[4] != expected[s[2]][s[5]]]
+    assert not wrong, wrong[:5]
     # A clean switch per replica: once a replica answered with NEW, it never answers with base.
     for replica in {s[1] for s in seen}:
-        served = [v for _, r, v, _, _ in sorted(seen) if r == replica]
+        served = [s[2] for s in sorted(seen) if s[1] == replica]
         assert served == sorted(served, key=lambda v: v == NEW), (replica, served)
-    assert set(versions(admin).values()) == {NEW}
 
     state = admin.get("/admin/weights").json()["rollout"]
     assert state["state"] == "succeeded" and state["version"] == NEW
@@ -208,44 +237,38 @@ def test_all_at_once_push_holds_requests_and_labels_every_response(stack, admin,
     then all apply the staged weights. No request fails, and every response (streamed too) is
     labelled with the weights that produced it: greedy text identifies the version."""
     newer = "wr-2"
-    seen: list[tuple[float, str, str, int, str, bool]] = []  # (t, replica, version, status, text, stream)
+    seen: list[tuple[float, str, str, int, str, bool, str]] = []  # (t, replica, version, status, text, stream, model)
     stop = threading.Event()
 
-    def request(http: httpx.Client, model: str, stream: bool) -> tuple[str, str, int, str]:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream}
-        if not stream:
-            r = http.post(stack.gateway_url + "/v1/completions", json=body)
-            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
-        else:
-            with http.stream("POST", stack.gateway_url + "/v1/completions", json=body) as r:
-                chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
-                text = "".join(choice["text"] for c in chunks for choice in json.loads(c).get("choices", []))
-        return (r.headers.get("x-yieldgate-replica", ""), r.headers.get("x-yieldgate-weight-version", ""),
-                r.status_code, text)
-
     def load(model: str, stream: bool) -> None:
-        with httpx.Client(timeout=120) as http:
+        with httpx.Client(base_url=stack.gateway_url, timeout=120) as http:
             while not stop.is_set():
-                seen.append((time.monotonic(), *request(http, model, stream), stream))
+                seen.append((time.monotonic(), *answer(http, model, stream), stream, model))
 
-    with httpx.Client(timeout=120) as http:  # what the base weights say, streamed and not
-        base_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
+    def texts() -> dict[tuple[str, bool], str]:  # what the weights served now say, per model, streamed and not
+        with httpx.Client(base_url=stack.gateway_url, timeout=120) as http:
+            return {(m, stream): answer(http, m, stream)[3] for m in ("demo", "demo:fast")
+                    for stream in (False, True)}
 
+    base_text = texts()
     threads = [threading.Thread(target=load, args=(m, s))
                for m in ("demo", "demo:fast") for s in (False, True)]
-    report = push_under_load(stack, threads, stop, perturbed(base_weights, 3), newer, mode="all_at_once")
+    window: list[float] = []
+    report = push_under_load(stack, threads, stop, perturbed(base_weights, 3), newer, window=window,
+                             mode="all_at_once")
 
     assert report.version == newer
     failed = [s for s in seen if s[3] != 200]
     assert not failed, failed[:5]
     assert {s[2] for s in seen} == {"base", newer}
-    with httpx.Client(timeout=120) as http:
-        new_text = {stream: request(http, "demo", stream)[3] for stream in (False, True)}
-    assert new_text[False] != base_text[False]
+    # Requests were answered while the push ran (the hold is only the swap's few moments).
+    assert [s for s in seen if window[0] <= s[0] <= window[1]], "nothing answered during the push"
+    new_text = texts()
+    assert new_text[("demo", False)] != base_text[("demo", False)]
     # The label is the truth: base-labelled responses are the base weights' text, new-labelled ones
     # the new weights' (a request held during the swap is routed, and labelled, only afterwards).
     expected = {"base": base_text, newer: new_text}
-    wrong = [s for s in seen if s[4] != expected[s[2]][s[5]]]
+    wrong = [s for s in seen if s[4] != expected[s[2]][(s[6], s[5])]]
     assert not wrong, wrong[:5]
     assert set(versions(admin).values()) == {newer}
 
@@ -273,9 +296,10 @@ def test_all_at_once_failure_on_one_engine_restores_every_replica(stack, admin, 
     bad = "wr-corrupt"
     base_text, seen, threads, stop = base_and_recorded_load(stack, admin)
     faults = PushFaults(corrupt_chunk=3, only=lambda url: url.endswith("/engine/fast-0"))
+    window: list[float] = []
     with pytest.raises(PushFailed) as failure:
-        push_under_load(stack, threads, stop, perturbed(base_weights, 4), bad, mode="all_at_once",
-                        faults=faults)
+        push_under_load(stack, threads, stop, perturbed(base_weights, 4), bad, window=window,
+                        mode="all_at_once", faults=faults)
     assert "ChecksumMismatch" in str(failure.value)
 
     state = admin.get("/admin/weights").json()["rollout"]
@@ -292,7 +316,8 @@ def test_all_at_once_failure_on_one_engine_restores_every_replica(stack, admin, 
 
     assert seen and not [s for s in seen if s[1] != 200], [s for s in seen if s[1] != 200][:5]
     assert {s[2] for s in seen} == {"base"}
-    assert all(text == base_text[model] for model, _, _, text in seen)
+    assert all(text == base_text[model] for model, _, _, text, _ in seen)
+    assert [s for s in seen if window[0] <= s[4] <= window[1]], "nothing answered during the push"
     assert set(versions(admin).values()) == {"base"}
     assert bad not in admin.get("/admin/weights").json()["versions"]
     assert snapshot_texts(stack) == base_text
@@ -304,8 +329,9 @@ def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, 
     new = "wr-nocopy"
     base_text, seen, threads, stop = base_and_recorded_load(stack, admin)
     faults = PushFaults(corrupt_chunk=3, only=lambda url: "/engine/" not in url)  # the gateway's intake
+    window: list[float] = []
     with pytest.raises(PushFailed):
-        push_under_load(stack, threads, stop, perturbed(base_weights, 5), new, faults=faults)
+        push_under_load(stack, threads, stop, perturbed(base_weights, 5), new, window=window, faults=faults)
 
     state = admin.get("/admin/weights").json()["rollout"]
     assert state["state"] == "failed" and state["version"] == new
@@ -314,6 +340,8 @@ def test_failed_checkpoint_copy_fails_the_rollout_and_restores_n_minus_1(stack, 
     assert events.count("verified") == len(stack.engines)  # the engines did swap first
     assert not [s for s in seen if s[1] != 200], [s for s in seen if s[1] != 200][:5]
     assert {s[2] for s in seen} <= {"base", new}
+    assert all(text == base_text[model] for model, _, version, text, _ in seen if version == "base")
+    assert [s for s in seen if window[0] <= s[4] <= window[1]], "nothing answered during the push"
     assert set(versions(admin).values()) == {"base"}
     assert new not in admin.get("/admin/weights").json()["versions"]
     assert snapshot_texts(stack) == base_text

@@ -66,7 +66,8 @@ class CheckpointStore:
         self.base_model_dir = Path(base_model_dir)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True)
-        self.history = WeightHistory(self.root / "history.json")
+        self.history = WeightHistory(self.root / "history.json",
+                                     available=lambda v: self.source(v) is not None)
 
     @property
     def _index(self) -> Path:
@@ -123,7 +124,7 @@ class CheckpointStore:
 
     def rollback_target(self, replica: str) -> str | None:
         """What a rollback of `replica` returns to (see `WeightHistory.rollback_target`)."""
-        return self.history.rollback_target(replica, lambda v: self.source(v) is not None)
+        return self.history.rollback_target(replica)
 
     def _record(self, version: str, protect: Collection[str] = ()) -> None:
         """Add `version` as the newest, then evict beyond `keep`: marked versions first, then the

@@ -17,6 +17,11 @@ drains, applies on all in parallel, verifies, re-admits and releases; over bare 
 pauses them instead (`/pause?mode=wait`), applies, resets caches and resumes. Any failure
 restores the previous version from the on-disk checkpoint on every replica this rollout
 touched, then raises RolloutFailed(reason).
+
+What each replica serves is recorded in the store's `WeightHistory` (keyed by replica URL; a
+rollout whose fleet records under its own names passes `record_history=False`, as the gateway
+does). `rollback()` follows it: each replica goes back to the version it served before its
+current one, skipping versions that were rolled back or whose rollout failed.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import msgspec
 from yieldgate.trainer_bridge.checkpoint import CheckpointStore
 from yieldgate.trainer_bridge.config import BridgeConfig
 from yieldgate.trainer_bridge.engine_client import EngineClient, tls_context
+from yieldgate.trainer_bridge.history import Ending
 from yieldgate.trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, RolloutFailed
 from yieldgate.trainer_bridge.push import (
     ModelLike,
@@ -131,12 +137,14 @@ class Rollout:
         evaluate: Evaluate | None = None,
         config: BridgeConfig | None = None,
         current_token: str | None = None,
+        record_history: bool = True,
     ) -> None:
         self.fleet = fleet
         self.store = store
         self.mode = mode
         self.evaluate = evaluate
         self.config = config or BridgeConfig()
+        self.record_history = record_history
         # The push token engines are armed with; each rollout rotates it.
         self.token = current_token
         self._backends: dict[str, str | None] = {}
@@ -197,10 +205,13 @@ class Rollout:
                 await self._drop_staged()
                 served = prepared[0] if isinstance(prepared[0], dict) else {}
                 await self._saved(version, keep=version in served.values())
-                if isinstance(result, RolloutFailed):
-                    raise result
-                raise RolloutFailed(f"{type(result).__name__}: {result}") from result
+                failure = result if isinstance(result, RolloutFailed) else \
+                    RolloutFailed(f"{type(result).__name__}: {result}")
+                self._mark_failed(version, failure.reason, served)
+                raise failure from result
         previous, token = prepared
+        for r, prev in previous.items():
+            self._served(r, prev, "replaced", f"engine found serving {prev}")
 
         touched: list[str] = []
         methods: dict[str, str] = {}
@@ -228,13 +239,19 @@ class Rollout:
                     await asyncio.gather(*(self._verify(r, version) for r in replicas))
                 finally:
                     await asyncio.gather(*(asyncio.to_thread(_resume, r) for r in replicas))
+                for r in replicas:
+                    self._served(r, version, "superseded", f"rollout of {version}")
             await self._saved(version, keep=True)
         except RolloutFailed as exc:
             await self._abort(version, touched, previous)
+            self._mark_failed(version, exc.reason, previous)
             raise RolloutFailed(exc.reason, exc.replica) from exc
         except Exception as exc:  # noqa: BLE001 - any failure means: put the old weights back
             await self._abort(version, touched, previous)
+            self._mark_failed(version, f"{type(exc).__name__}: {exc}", previous)
             raise RolloutFailed(f"{type(exc).__name__}: {exc}", touched[-1] if touched else None) from exc
+        if self.record_history:
+            self.store.history.clear([version])  # served on purpose again: no longer skipped
         return RolloutReport(version, self.mode, replicas, previous, methods, time.perf_counter() - started)
 
     async def _prepare(self, replicas: list[str], wset: WeightSet) -> str:
@@ -272,6 +289,7 @@ class Rollout:
         methods[replica] = await self._update(replica, wset, version, token)
         await self._verify(replica, version)
         await self.fleet.set_routable(replica, True)
+        self._served(replica, version, "superseded", f"rollout of {version}")
 
     async def _swap_all(self, replicas: list[str], wset: WeightSet, version: str, token: str,
                         touched: list[str], methods: dict[str, str]) -> None:
@@ -294,6 +312,7 @@ class Rollout:
         await asyncio.gather(*(self._verify(r, version) for r in replicas))
         for r in replicas:
             await self.fleet.set_routable(r, True)
+            self._served(r, version, "superseded", f"rollout of {version}")
 
     async def _swap_all_held(self, replicas: list[str], wset: WeightSet, version: str, token: str,
                              touched: list[str], methods: dict[str, str],
@@ -338,15 +357,44 @@ class Rollout:
     def _note(self, event: str, replica: str = "", detail: str = "") -> None:
         """Timeline hook (the gateway records these)."""
 
-    async def rollback(self, to_version: str | None = None) -> str:
-        """Put every replica back on `to_version` (default: the version before the newest)."""
-        versions = self.store.versions()
-        target = to_version or (versions[-2] if len(versions) >= 2 else None)
-        if target is None or self.store.source(target) is None:
-            raise RolloutFailed(f"no checkpoint for version {target!r} to roll back to")
+    async def rollback(self, to_version: str | None = None) -> dict[str, str]:
+        """Put every replica back on what it served before its current version (the history
+        skips versions rolled back or failed), or on `to_version`, one replica at a time (out of
+        routing and drained first). The versions left are marked rolled back.
+        -> replica -> the version it serves now."""
         replicas = [r.rstrip("/") for r in self.fleet.replicas()]
-        await self._restore(replicas, {r: target for r in replicas})
-        return target
+        known = getattr(self.fleet, "weight_version", None)
+        found = [known(r) for r in replicas] if known is not None else await asyncio.gather(
+            *(asyncio.to_thread(_version, r) for r in replicas))
+        current = dict(zip(replicas, found))
+        for r, version in current.items():
+            self._served(r, version, "replaced", f"engine found serving {version}")
+        targets = self.rollback_targets(replicas, to_version)
+        for r in replicas:
+            if current[r] != targets[r]:
+                self.store.history.mark(current[r], "rolled_back", f"rolled back to {targets[r]}")
+        self.store.history.clear(set(targets.values()))
+        for r in replicas:
+            try:
+                await self._take_out(r)
+            except BaseException:
+                await self.fleet.set_routable(r, True)  # untouched: it still serves its version
+                raise
+            await self._restore([r], targets, ending="rolled_back")
+        return targets
+
+    def rollback_targets(self, replicas: Sequence[str], to_version: str | None = None) -> dict[str, str]:
+        """What `rollback` would put each replica on; raises RolloutFailed if one has nothing."""
+        if to_version is not None:
+            if self.store.source(to_version) is None:
+                raise RolloutFailed(f"no checkpoint for version {to_version!r} to roll back to")
+            return {r: to_version for r in replicas}
+        targets = {r: self.store.rollback_target(r) for r in replicas}
+        stuck = [r for r, t in targets.items() if t is None]
+        if stuck:
+            raise RolloutFailed(f"nothing to roll back to for {stuck}: no earlier version that was "
+                                f"neither rolled back nor failed is stored ({self.store.versions()})")
+        return {r: str(t) for r, t in targets.items()}
 
     # --- steps
     async def _take_out(self, replica: str) -> None:
@@ -395,7 +443,10 @@ class Rollout:
         await self._restore(touched, previous)
         await self._saved(version, keep=version in previous.values())
 
-    async def _restore(self, replicas: list[str], previous: dict[str, str]) -> None:
+    async def _restore(self, replicas: list[str], previous: dict[str, str],
+                       ending: Literal["failed", "rolled_back"] = "failed") -> None:
+        """Reload `previous[r]` on each replica and re-admit it; the version it leaves ended with
+        `ending` (a rollout's failure, or a rollback)."""
         for replica in replicas:
             prev = previous[replica]
             source = self.store.source(prev)
@@ -408,6 +459,18 @@ class Rollout:
                 log.error("rollback of %s to %s failed: %s", replica, prev, exc)
                 continue  # leave it out of routing: it serves unknown weights
             await self.fleet.set_routable(replica, True)
+            self._served(replica, prev, ending)
+
+    def _served(self, replica: str, version: str, ending: Ending, reason: str = "") -> None:
+        """History: `replica` serves `version` from now on (its previous stint ended `ending`)."""
+        if self.record_history:
+            self.store.history.observe(replica, version, ending, reason)
+
+    def _mark_failed(self, version: str, reason: str, previous: Mapping[str, str]) -> None:
+        """A failed rollout's version is skipped by later rollbacks, unless it is what some
+        replica served before (a re-push of the served version failed: that version is fine)."""
+        if self.record_history and version not in previous.values():
+            self.store.history.mark(version, "failed", reason)
 
     async def _rotate_token(self, replicas: list[str]) -> str:
         token = make_push_token()
