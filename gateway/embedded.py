@@ -66,7 +66,7 @@ class GatewayProcess:
         config_path = workdir / f"gateway-{self.port}.json"
         config_path.write_bytes(msgspec.json.encode(config))
         self.log_path = workdir / f"gateway-{self.port}.log"
-        code = ("import sys, msgspec; from gateway.config import Config; from gateway.cli import _serve; "
+        code = ("import sys, msgspec; from yieldgate.gateway.config import Config; from yieldgate.gateway.cli import _serve; "
                 "_serve(msgspec.json.decode(open(sys.argv[1], 'rb').read(), type=Config))")
         root = Path(__file__).resolve().parent.parent
         with open(self.log_path, "wb") as log:
