@@ -166,7 +166,7 @@ def test_no_prompt_or_completion_text_in_logs(stack, tmp_path):
     # Same entry point as the CLI, with the root logger at DEBUG instead of WARNING.
     code = ("import logging, sys; logging.basicConfig(level=logging.DEBUG, "
             "format='%(asctime)s %(name)s %(levelname)s %(message)s'); "
-            "from gateway.cli import app; sys.argv[0] = 'yieldgate'; app()")
+            "from yieldgate.gateway.cli import app; sys.argv[0] = 'yieldgate'; app()")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", code, "gateway", "--config", str(config)], cwd=ROOT,
                                 env=dict(os.environ, YIELDGATE_HOME=str(tmp_path), PYTHONUNBUFFERED="1"),
