@@ -70,7 +70,7 @@ def test_repeated_prefix_lands_on_one_replica_and_prediction_matches_usage(stack
     assert predicted >= 1024
     assert predicted == cached_tokens(second)
     # Both answered: no prefill is still counted as queued on either replica.
-    assert not any(gw.gateway.routing.routers["standard"].pending.values())
+    assert not any(gw.gateway.routing.routers["standard"].pending.blocks.values())
 
 
 def test_hot_prefix_spills_to_the_other_replica(stack, gateway_factory, redis_url, names):
