@@ -186,10 +186,14 @@ class Proxy:
         """The replica holding a stored response; 404 when no gateway recorded it or its replica
         is gone (what OpenAI answers for an unknown previous_response_id)."""
         name = await self.affinity.lookup(response_id)
-        replica = self.fleet.replicas.get(name) if name else None
-        if replica is None:
+        if name is None:
             raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
                                            param="previous_response_id")
+        replica = self.fleet.replicas.get(name)
+        if replica is None:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found: replica {name}, which stored "
+                "it, is no longer in the fleet.", param="previous_response_id")
         if replica.swapping:
             raise ServiceUnavailable(f"The replica holding response '{response_id}' is swapping to new "
                                      "weights. Retry shortly.", code="weight_swap_in_progress",
