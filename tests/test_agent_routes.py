@@ -149,12 +149,14 @@ def _second_gateway(gateway_factory, stack, redis_url, tmp_path, replicas):
 def test_another_gateway_follows_the_record_and_404s_when_the_replica_is_gone(
         stack, oai, redis_url, gateway_factory, tmp_path):
     stored = oai.responses.create(model="demo:fast", input="Remember the word plum.", max_output_tokens=3).id
+    # This gateway's standard tier has both engines: routing alone could send a follow-up to either.
     both = [ReplicaConfig(name="standard-0", tier="standard", url=stack.engines["standard"]),
-            ReplicaConfig(name="fast-0", tier="fast", url=stack.engines["fast"])]
+            ReplicaConfig(name="fast-0", tier="standard", url=stack.engines["fast"])]
     other = _second_gateway(gateway_factory, stack, redis_url, tmp_path / "a", both)
-    raw = other.responses.with_raw_response.create(model="demo", input="Which?", max_output_tokens=3,
-                                                   previous_response_id=stored)
-    assert raw.status_code == 200 and raw.headers["x-yieldgate-replica"] == "fast-0"
+    for _ in range(3):
+        raw = other.responses.with_raw_response.create(model="demo", input="Which?", max_output_tokens=3,
+                                                       previous_response_id=stored)
+        assert raw.status_code == 200 and raw.headers["x-yieldgate-replica"] == "fast-0"
     # A gateway whose fleet no longer has fast-0: the stored response is gone with it.
     without_fast = _second_gateway(gateway_factory, stack, redis_url, tmp_path / "b", both[:1])
     with pytest.raises(openai.NotFoundError) as exc:
