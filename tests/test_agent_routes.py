@@ -101,6 +101,33 @@ def test_responses_stream_bills_once_and_puts_cost_on_response_completed(stack, 
     assert 1 <= len(deltas) <= 7
 
 
+def test_abandoned_responses_stream_is_billed_once_on_the_deltas_relayed(stack):
+    # As for chat streams: an attempt whose whole stream was generated before the client left is
+    # billed `ok` and does not count; a gateway that never notices the client leave fails all three.
+    for _ in range(3):
+        request_id = rid("resp-abandon")
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", stack.base_url + "/responses", headers={"x-request-id": request_id},
+                             json={"model": "demo", "input": "Write a very long story.", "stream": True,
+                                   "max_output_tokens": 1500, "ignore_eos": True}) as resp:
+                assert resp.status_code == 200
+                deltas = 0
+                for line in resp.iter_lines():
+                    if line == "event: response.output_text.delta":
+                        deltas += 1
+                        if deltas == 2:
+                            break
+        row = only_row(stack, request_id)
+        if not (row["status"] == "ok" and int(row["completion_tokens"]) == 1500):
+            break
+    assert row["status"] == "aborted", row
+    # Billed on the text deltas relayed so far (at least the two the client read), prompt estimated.
+    assert 2 <= int(row["completion_tokens"]) < 1500 and int(row["prompt_tokens"]) > 0
+    assert Decimal(row["cost_total"]) > 0
+    time.sleep(0.5)
+    assert len(ledger_rows(stack, request_id)) == 1
+
+
 def test_previous_response_id_reaches_the_replica_that_stored_it(stack, oai, redis_url):
     first = oai.responses.with_raw_response.create(model="demo:fast", input="Remember the word teal.",
                                                    max_output_tokens=4)
