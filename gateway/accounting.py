@@ -45,6 +45,7 @@ from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnav
 from .http import bearer_token
 from .context import RequestContext, Usage
 from .metrics import GatewayMetrics
+from .schemas import ChatShaped
 
 if TYPE_CHECKING:
     from .config import Config
@@ -78,7 +79,11 @@ def prompt_size(typed: Any) -> tuple[int, int, int | None]:
     chars = upper = 0
     texts: list[str] = []
     messages = getattr(typed, "messages", None)
-    if messages is not None:
+    if isinstance(typed, ChatShaped):  # Responses and Messages requests, as the chat template sees them
+        for m in typed.chat_messages():
+            upper += _TEMPLATE_TOKENS_PER_MESSAGE
+            texts.append(m["content"])
+    elif messages is not None:
         for m in messages:
             upper += _TEMPLATE_TOKENS_PER_MESSAGE
             content = m.content

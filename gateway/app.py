@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: OpenAI-compatible endpoints, health, metrics."""
+"""The gateway's ASGI app: OpenAI- and Anthropic-compatible endpoints, health, metrics."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
 from .admin import build_admin_router, build_feedback_router
+from .apis import ANTHROPIC, APIS, ROUTES
 from .http import bearer_token, json_response
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
-from .errors import APIError, AuthenticationError, error_response
+from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
 from .health import build_health_router
 from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
-from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest, ModelCard,
+                      ModelList, ResponsesRequest)
 from .weights import WeightOrchestrator, build_intake_router
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ class Gateway:
 
 _REF = "#/components/schemas/{name}"
 _BODY_SCHEMAS, _COMPONENTS = msgspec.json.schema_components(
-    [ChatCompletionRequest, CompletionRequest], ref_template=_REF)
+    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest],
+    ref_template=_REF)
 
 
 def _openapi_body(schema: dict) -> dict:
@@ -127,29 +130,33 @@ def _with_components(app: FastAPI) -> None:
 
 
 class GatewayApp(FastAPI):
-    """The FastAPI app, except that the two inference routes are served straight from ASGI: no
+    """The FastAPI app, except that the inference routes are served straight from ASGI: no
     middleware stack, router, dependency solver, exception layers or Request object (about a tenth
     of the gateway's CPU per request). The FastAPI routes of the same paths remain for the OpenAPI
     document and behave identically."""
 
-    _KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
     gateway: Gateway
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        kind = self._KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        kind = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if kind is None or scope["method"] != "POST":
             await super().__call__(scope, receive, send)
             return
         gw = self.gateway
+        api = APIS[kind]
         try:
-            key = await gw.accounting.authenticate_header(dict(scope["headers"]).get(b"authorization"))
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization")
+            if kind in ANTHROPIC and b"x-api-key" in headers:  # how Anthropic's clients send the key
+                authorization = b"Bearer " + headers[b"x-api-key"]
+            key = await gw.accounting.authenticate_header(authorization)
             response = await gw.proxy.handle(kind, scope, receive, key)
         except APIError as exc:
             gw.metrics.rejections.labels(exc.code or exc.type).inc()
-            response = exc.response()
+            response = api.error(exc)
         except Exception:
             log.exception("unexpected error on %s", scope["path"])
-            response = error_response(500, "Internal gateway error.", "server_error", code="internal_error")
+            response = api.error(InternalError("Internal gateway error."))
         await response(scope, receive, send)
 
 
@@ -227,13 +234,33 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     async def completions(request: Request) -> Response:
         return await gw.proxy.handle("completions", request.scope, request.receive, request.state.api_key)
 
+    @app.post("/v1/responses", openapi_extra=_openapi_body(_BODY_SCHEMAS[2]), dependencies=inference)
+    async def responses(request: Request) -> Response:
+        return await gw.proxy.handle("responses", request.scope, request.receive, request.state.api_key)
+
+    @app.post("/v1/messages", openapi_extra=_openapi_body(_BODY_SCHEMAS[3]), dependencies=inference)
+    async def messages(request: Request) -> Response:
+        return await gw.proxy.handle("messages", request.scope, request.receive, request.state.api_key)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=_openapi_body(_BODY_SCHEMAS[4]), dependencies=inference)
+    async def count_tokens(request: Request) -> Response:
+        return await gw.proxy.handle("count_tokens", request.scope, request.receive, request.state.api_key)
+
+    def model_ids() -> list[str]:
+        name = config.fleet.model
+        return [name, f"{name}:fast"] if gw.fleet.in_tier("fast") else [name]
+
     @app.get("/v1/models", dependencies=inference)
     async def models() -> Response:
-        name = config.fleet.model
-        cards = [ModelCard(id=name)]
-        if gw.fleet.in_tier("fast"):
-            cards.append(ModelCard(id=f"{name}:fast"))
-        return Response(_encode(ModelList(data=cards)), media_type="application/json")
+        return Response(_encode(ModelList(data=[ModelCard(id=i) for i in model_ids()])),
+                        media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}", dependencies=inference)
+    async def model(model_id: str) -> Response:
+        # The openai SDK's models.retrieve(); ids may hold "/" (org/name) and ":" (the fast tier).
+        if model_id not in model_ids():
+            raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+        return Response(_encode(ModelCard(id=model_id)), media_type="application/json")
 
     app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status))
     return app

@@ -45,6 +45,7 @@ class RequestContext:
     route: Any = None  # cache.RouteRequest, prepared once per request by gateway.routing
     decision: Any = None  # cache.RouteDecision of the current try (released by gateway.routing)
     replica: Replica | None = None
+    pinned: Replica | None = None           # the only replica that can serve it (a stored response's)
     predicted_cached_tokens: int = 0
     ttft: float | None = None
     chunks: int = 0

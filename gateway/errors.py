@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: every failure leaves the gateway as {"error": {message, type, param, code}}."""
+"""Errors in the shape of the API a client speaks: OpenAI's {"error": {message, type, param, code}}
+everywhere, Anthropic's {"type": "error", "error": {type, message}} on the Messages routes."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class APIError(Exception):
     def response(self) -> Response:
         return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
 
+    def anthropic_response(self) -> Response:
+        return anthropic_error_response(self.status, self.message, self.headers)
+
 
 class InvalidRequest(APIError):
     status = 400
@@ -50,6 +54,10 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class PreviousResponseNotFound(NotFound):
+    code = "previous_response_not_found"
+
+
 class PayloadTooLarge(APIError):
     status = 413
     code = "payload_too_large"
@@ -70,6 +78,12 @@ class ServiceUnavailable(APIError):
     status = 503
     type = "service_unavailable"
     code = "no_healthy_replica"
+
+
+class InternalError(APIError):
+    status = 500
+    type = "server_error"
+    code = "internal_error"
 
 
 class UpstreamError(APIError):
@@ -104,3 +118,25 @@ def param_from_msgspec(message: str) -> str | None:
     if i >= 0:
         return message[i + len(missing):].split("`", 1)[0]
     return None
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def anthropic_status(status: int) -> int:
+    """503 (no replica can serve now) is Anthropic's 529 overloaded_error, which its SDK retries."""
+    return 529 if status == 503 else status
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    type_ = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return _encoder.encode({"type": "error", "error": {"type": type_, "message": message}})
+
+
+def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    status = anthropic_status(status)
+    return Response(anthropic_error_body(status, message), status_code=status,
+                    media_type="application/json", headers=headers)

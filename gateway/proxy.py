@@ -1,5 +1,8 @@
 """The request path: validate → tier → route → forward (unary or streamed) → account.
 
+One path for every inference API (chat completions, completions, Responses, Anthropic Messages);
+what differs between them (schema, where usage is, error shape) is in gateway/apis.py.
+
 Bodies are decoded once into a dict (unknown fields survive untouched) and converted to a typed
 request for validation; the client's bytes go upstream as they came unless a field must change
 (a `:fast` model suffix, a stream that did not ask for usage). Streams are forwarded event by event
@@ -19,6 +22,7 @@ import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
+from yieldgate.cache import RouteRequest
 from yieldgate.pricing import ApiKey
 
 from yieldgate.serving.fleet import Fleet, Replica
@@ -26,23 +30,23 @@ from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, Upstream
                               UpstreamResponse)
 
 from .accounting import Accounting
+from .affinity import ResponseAffinity
+from .apis import APIS, Api
 from .context import RequestContext, Usage
 from .config import Config
-from .errors import (APIError, InvalidRequest, ModelNotFound, PayloadTooLarge, ServiceUnavailable,
-                     UpstreamError, error_body, param_from_msgspec)
+from .errors import (InvalidRequest, ModelNotFound, PayloadTooLarge, PreviousResponseNotFound,
+                     ServiceUnavailable, UpstreamError, param_from_msgspec)
 from .limits import StreamLimiter, stream_owner
 from .responses import JSONReply
 from .routing import Routing
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .sse import DONE, EventSplitter, data_event, events
-from .tiers import RESPONSE_SERVICE_TIER, resolve_tier
+from .schemas import ChatShaped
+from .sse import EVENT_END, EventSplitter, events
+from .tiers import resolve_tier
 
 log = logging.getLogger("yieldgate.proxy")
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
-_REQUEST_TYPES = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 # Failures before the first response byte: the request can safely go to another replica.
 _RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
@@ -59,9 +63,11 @@ class Proxy:
                                      read_timeout_s=limits.upstream_read_timeout_s)
         self.streams = StreamLimiter(config.limits.streams_per_key)
         self._endpoints: dict[str, Endpoint] = {}
+        self.affinity = ResponseAffinity(config.fleet.model)
 
     async def start(self) -> None:
         await self.upstream.start()
+        self.affinity.attach(self.accounting.redis)
 
     async def close(self) -> None:
         await self.upstream.close()
@@ -99,18 +105,28 @@ class Proxy:
         if not isinstance(raw, dict):
             raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
         try:
-            typed = msgspec.convert(raw, _REQUEST_TYPES[kind])
+            typed = msgspec.convert(raw, APIS[kind].request)
         except msgspec.ValidationError as exc:
             message = str(exc)
             raise InvalidRequest(message, param=param_from_msgspec(message), code="invalid_value") from None
         limits = self.config.limits
-        if kind == "chat" and len(typed.messages) > limits.max_messages:
-            raise InvalidRequest(f"Too many messages: at most {limits.max_messages}.", param="messages")
+        if kind != "completions":
+            items, name = (typed.input, "input") if kind == "responses" else (typed.messages, "messages")
+            if not isinstance(items, str) and len(items) > limits.max_messages:
+                raise InvalidRequest(f"Too many {name}: at most {limits.max_messages}.", param=name)
         if (typed.output_limit or 0) > limits.max_tokens:
-            raise InvalidRequest(f"max_tokens must be at most {limits.max_tokens}.", param="max_tokens",
+            param = "max_output_tokens" if kind == "responses" else "max_tokens"
+            raise InvalidRequest(f"{param} must be at most {limits.max_tokens}.", param=param,
                                  code="invalid_value")
         if kind == "completions" and not typed.prompt:
             raise InvalidRequest("prompt must not be empty.", param="prompt")
+        if kind == "responses":
+            if not typed.input:
+                raise InvalidRequest("input must not be empty.", param="input")
+            if typed.background:
+                # A background response is answered before it is generated: nothing would bill it.
+                raise InvalidRequest("background responses are not served by this gateway; stream "
+                                     "instead.", param="background", code="unsupported_value")
         return raw, typed
 
     # -- the request path ------------------------------------------------------------------------
@@ -123,7 +139,7 @@ class Proxy:
         headers = dict(scope["headers"])
         body = await self.read_body(receive, headers)
         raw, typed = self.parse(kind, body)
-        model, tier = resolve_tier(typed.model, typed.service_tier)
+        model, tier = resolve_tier(typed.model, typed.requested_service_tier)
         if model != self.fleet.config.model:
             raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
         ctx = RequestContext(
@@ -133,14 +149,22 @@ class Proxy:
             key=key,
             max_tokens=typed.output_limit, typed=typed,
         )
+        api = APIS[kind]
+        if kind == "count_tokens":
+            return await self._count_tokens(ctx, api, body)
+        if kind == "responses" and typed.previous_response_id:
+            ctx.pinned = await self._stored_on(typed.previous_response_id)
+            ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
         await self.accounting.admit(ctx)
-        ctx.route = self.routing.prepare(ctx, raw)
-        want_usage = bool(typed.stream_options and typed.stream_options.include_usage)
-        if model == typed.model and (want_usage or not typed.stream):
+        # Responses and Messages requests route on their prompt rendered as chat messages.
+        ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
+                                         if isinstance(typed, ChatShaped) else raw)
+        want_usage = typed.shows_usage
+        if model == typed.model and want_usage:
             payload = body  # nothing to change: forward the client's bytes as they came
         else:
             raw["model"] = model
-            if typed.stream:
+            if typed.stream and not want_usage:
                 # Always ask the engine for usage: every streamed token is billed, even if the
                 # client did not ask to see the usage event.
                 options = raw.get("stream_options") or {}
@@ -151,12 +175,51 @@ class Proxy:
             if typed.stream:
                 client = scope.get("client")
                 owner = stream_owner(ctx.key, client[0] if client else None)
-                return await self._stream(ctx, typed, payload, want_usage, owner)
-            return await self._unary(ctx, typed, payload)
+                return await self._stream(ctx, api, payload, want_usage, owner)
+            return await self._unary(ctx, api, payload)
         except BaseException:
             if not ctx.finished:
                 self.accounting.finish(ctx, None, "error")
             raise
+
+    async def _stored_on(self, response_id: str) -> Replica:
+        """The replica holding a stored response; 404 when no gateway recorded it or its replica
+        is gone (what OpenAI answers for an unknown previous_response_id)."""
+        name = await self.affinity.lookup(response_id)
+        if name is None:
+            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
+                                           param="previous_response_id")
+        replica = self.fleet.replicas.get(name)
+        if replica is None:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found: replica {name}, which stored "
+                "it, is no longer in the fleet.", param="previous_response_id")
+        if replica.swapping:
+            raise ServiceUnavailable(f"The replica holding response '{response_id}' is swapping to new "
+                                     "weights. Retry shortly.", code="weight_swap_in_progress",
+                                     headers={"retry-after": "1"})
+        if not replica.routable:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found: replica {replica.name}, which "
+                "stored it, is not serving.", param="previous_response_id")
+        return replica
+
+    async def _count_tokens(self, ctx: RequestContext, api: Api, body: bytes) -> Response:
+        """Anthropic's token count: any replica of the tier answers it; nothing is generated, so
+        nothing is billed."""
+        ctx.route = RouteRequest()
+        payload = body if ctx.model == ctx.typed.model else _encode(dict(_decode(body), model=ctx.model))
+        replica, resp = await self._open(ctx, ctx.typed, payload)
+        try:
+            data = await resp.read()
+        except _RETRYABLE:
+            raise UpstreamError("Upstream replica failed while answering.") from None
+        finally:
+            self.routing.done(ctx)
+            resp.release()
+        if resp.status != 200:
+            return api.upstream_error(resp.status, data)
+        return JSONReply(data, self._headers(ctx))
 
     async def _open(self, ctx: RequestContext, typed: Any, payload: bytes,
                     failed: set[str] | None = None) -> tuple[Replica, UpstreamResponse]:
@@ -166,25 +229,15 @@ class Proxy:
         failed = set() if failed is None else failed
         last_exc: BaseException | None = None
         for attempt in range(3):
-            routable = self.fleet.candidates(ctx.tier)
-            if not routable:
-                if not await self.fleet.wait_released(self.config.limits.weight_swap_hold_s):
-                    raise ServiceUnavailable(
-                        f"Every replica of tier '{ctx.tier}' is swapping to new weights; the request "
-                        f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
-                        code="weight_swap_in_progress", headers={"retry-after": "1"})
-                routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
-            candidates = [r for r in routable if r.name not in failed]
-            if not candidates:
-                # None of the tier's replicas can take it (down, or failed this request): its
-                # fallback tier serves it, priced and labelled as that tier.
-                served_by, spare = self.fleet.fallback(ctx.tier)
-                candidates = [r for r in spare if r.name not in failed]
-                if candidates:
-                    ctx.serve_from(served_by)
-                    self.accounting.metrics.failovers.labels(ctx.requested_tier, served_by).inc()
-                else:
-                    candidates = routable
+            if ctx.pinned is not None:
+                # A follow-up to a stored response: only the replica that stored it can answer.
+                if ctx.pinned.name in failed or not ctx.pinned.routable:
+                    raise PreviousResponseNotFound(
+                        f"Previous response not found: replica {ctx.pinned.name}, which stored it, "
+                        "failed.", param="previous_response_id")
+                candidates = [ctx.pinned]
+            else:
+                candidates = await self._candidates(ctx, failed)
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
@@ -214,18 +267,42 @@ class Proxy:
                                  + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
                                  headers={"retry-after": "1"})
 
+    async def _candidates(self, ctx: RequestContext, failed: set[str]) -> list[Replica]:
+        """The replicas this try may go to: the tier's routable ones that have not failed this
+        request, else its fallback tier's, else (a last try) any routable one of the tier."""
+        routable = self.fleet.candidates(ctx.tier)
+        if not routable:
+            if not await self.fleet.wait_released(self.config.limits.weight_swap_hold_s):
+                raise ServiceUnavailable(
+                    f"Every replica of tier '{ctx.tier}' is swapping to new weights; the request "
+                    f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
+                    code="weight_swap_in_progress", headers={"retry-after": "1"})
+            routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
+        candidates = [r for r in routable if r.name not in failed]
+        if not candidates:
+            # None of the tier's replicas can take it (down, or failed this request): its
+            # fallback tier serves it, priced and labelled as that tier.
+            served_by, spare = self.fleet.fallback(ctx.tier)
+            candidates = [r for r in spare if r.name not in failed]
+            if candidates:
+                ctx.serve_from(served_by)
+                self.accounting.metrics.failovers.labels(ctx.requested_tier, served_by).inc()
+            else:
+                candidates = routable
+        return candidates
+
     def _endpoint(self, replica: Replica, kind: str) -> Endpoint:
         """The upstream URL, parsed once per replica and path."""
-        text = replica.url + _PATHS[kind]
+        text = replica.url + APIS[kind].path
         endpoint = self._endpoints.get(text)
         if endpoint is None:
             endpoint = self._endpoints[text] = Endpoint.parse(text)
         return endpoint
 
-    async def _unary(self, ctx: RequestContext, typed: Any, payload: bytes) -> Response:
+    async def _unary(self, ctx: RequestContext, api: Api, payload: bytes) -> Response:
         failed: set[str] = set()  # replicas that failed this request, avoided by the next try
         for attempt in range(2):
-            replica, resp = await self._open(ctx, typed, payload, failed)
+            replica, resp = await self._open(ctx, ctx.typed, payload, failed)
             try:
                 data = await resp.read()
                 break
@@ -242,22 +319,29 @@ class Proxy:
         ctx.first_byte()
         if resp.status != 200:
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
-            return _upstream_error(resp.status, data)
+            return api.upstream_error(resp.status, data)
         try:
             answer = _decode(data)
-            usage = Usage.from_wire(answer.get("usage"))
+            usage = api.usage(answer)
         except (msgspec.DecodeError, AttributeError, TypeError):
             self.accounting.finish(ctx, None, "error")
             raise UpstreamError("Upstream replica sent an unreadable answer.") from None
         extra = self.accounting.finish(ctx, usage, "ok")
-        self._decorate(answer, ctx, usage, extra)
+        api.decorate(answer, ctx, usage, extra)
+        await self._remember(ctx, answer)
         return JSONReply(_encode(answer), self._headers(ctx))
 
-    async def _stream(self, ctx: RequestContext, typed: Any, payload: bytes, want_usage: bool,
+    async def _remember(self, ctx: RequestContext, response: Any) -> None:
+        """A Responses answer the engine stored: where follow-ups naming it must go."""
+        if ctx.kind == "responses" and ctx.typed.stores and ctx.replica is not None \
+                and isinstance(response, dict) and isinstance(response.get("id"), str):
+            await self.affinity.record(response["id"], ctx.replica.name)
+
+    async def _stream(self, ctx: RequestContext, api: Api, payload: bytes, want_usage: bool,
                       owner: str) -> Response:
         lease = self.streams.acquire(owner)  # 429 when this key already holds too many streams
         try:
-            replica, resp = await self._open(ctx, typed, payload)
+            replica, resp = await self._open(ctx, ctx.typed, payload)
         except BaseException:
             lease.release()
             raise
@@ -269,7 +353,7 @@ class Proxy:
                 self.routing.done(ctx)
                 resp.release()
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
-            return _upstream_error(resp.status, data)
+            return api.upstream_error(resp.status, data)
         ended = False
 
         def end(status: str, usage: Usage | None) -> None:
@@ -285,14 +369,15 @@ class Proxy:
             if not ctx.finished:
                 self.accounting.finish(ctx, usage, status)
 
-        response = _RelayResponse(self._relay(ctx, replica, resp, want_usage, end), end,
+        response = _RelayResponse(self._relay(ctx, api, replica, resp, want_usage, end), end,
                                   media_type="text/event-stream")
         response.raw_headers += self._headers(ctx)
         response.raw_headers += _STREAM_HEADERS
         return response
 
-    async def _relay(self, ctx: RequestContext, replica: Replica, resp: UpstreamResponse,
+    async def _relay(self, ctx: RequestContext, api: Api, replica: Replica, resp: UpstreamResponse,
                      want_usage: bool, end: Callable[[str, Usage | None], None]) -> AsyncIterator[bytes]:
+        final, token, prefix = api.final_marker, api.token_marker, api.event_prefix
         splitter = EventSplitter()
         usage: Usage | None = None
         status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
@@ -306,19 +391,20 @@ class Proxy:
                 if not got:
                     continue
                 prev, block = block, got
-                if b'"usage":{' not in block:
-                    ctx.chunks += block.count(b"\n\n")
+                if final not in block:
+                    ctx.chunks += block.count(token)
                     yield block
                     continue
                 out = []
                 for event in events(block):
-                    if b'"usage":{' in event and event.startswith(b"data: {"):
-                        usage, rewritten = self._usage_event(ctx, event[6:], want_usage)
+                    if final in event and event.startswith(prefix):
+                        usage, rewritten = await self._final_event(ctx, api, event, want_usage)
                         if rewritten:
                             out.append(rewritten)
                     else:
-                        ctx.chunks += 1
-                        out.append(event + b"\n\n")
+                        event += EVENT_END
+                        ctx.chunks += event.count(token)
+                        out.append(event)
                 if out:
                     yield b"".join(out)
             rest = splitter.rest()
@@ -330,38 +416,31 @@ class Proxy:
                 # The engine ended the stream without its usage: vLLM ends a generation that failed
                 # with an error event and [DONE]. Billed like an abandoned stream (the tokens
                 # relayed), not as an "ok" with none; the error event and [DONE] are not tokens.
-                tail = prev + block
-                ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
+                if token == EVENT_END:  # every event was counted
+                    tail = prev + block
+                    ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
                 status = "upstream_error"
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
             self.fleet.set_health(replica, False)
             status = "upstream_error"
-            yield data_event(error_body(f"Upstream replica failed mid-stream: {type(exc).__name__}",
-                                        "upstream_error", None, "upstream_error"))
-            yield DONE
+            yield api.stream_error(f"Upstream replica failed mid-stream: {type(exc).__name__}")
         finally:
             end(status, usage)
 
-    def _usage_event(self, ctx: RequestContext, payload: bytes, want_usage: bool) -> tuple[Usage, bytes | None]:
-        chunk = _decode(payload)
-        usage = Usage.from_wire(chunk.get("usage"))
+    async def _final_event(self, ctx: RequestContext, api: Api, event: bytes,
+                           want_usage: bool) -> tuple[Usage, bytes | None]:
+        """The event with the stream's final usage: bill it, and rewrite it with tier and cost."""
+        at = event.index(b"data: ") + 6
+        chunk = _decode(event[at:])
+        usage = api.final_usage(chunk)
         extra = self.accounting.finish(ctx, usage, "ok")
+        if ctx.kind == "responses":
+            await self._remember(ctx, chunk.get("response"))
         if not want_usage:
             return usage, None
-        self._decorate(chunk, ctx, usage, extra)
-        return usage, data_event(_encode(chunk))
-
-    def _decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
-        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
-        answer["system_fingerprint"] = f"yieldgate-{ctx.weight_version}"
-        wire = answer.get("usage")
-        if isinstance(wire, dict):
-            details = wire.get("prompt_tokens_details")
-            if not isinstance(details, dict):
-                details = wire["prompt_tokens_details"] = {}
-            details["cached_tokens"] = usage.cached_tokens
-            wire.update(extra)
+        api.decorate_final(chunk, ctx, usage, extra)
+        return usage, event[:at] + _encode(chunk) + EVENT_END
 
     def _headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
         """The x-yieldgate-* response headers, as the raw ASGI list."""
@@ -421,19 +500,3 @@ def _request_id(headers: dict[bytes, bytes]) -> str:
 def _header(headers: dict[bytes, bytes], name: bytes) -> str:
     value = headers.get(name)
     return value.decode("latin-1") if value else ""
-
-
-def _upstream_error(status: int, data: bytes) -> Response:
-    """Pass the engine's OpenAI-shaped error through; wrap anything else."""
-    try:
-        body = _decode(data)
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            err = body["error"]
-            code = err.get("code")
-            return Response(error_body(str(err.get("message", "")), "invalid_request_error" if status < 500 else "upstream_error",
-                                       err.get("param"), code if isinstance(code, str) else None),
-                            status_code=status if status < 500 else 502, media_type="application/json")
-    except msgspec.DecodeError:
-        pass
-    return APIError(f"Upstream replica answered HTTP {status}.", status=502 if status >= 500 else status,
-                    code="upstream_error").response()

@@ -103,7 +103,7 @@ class Routing:
     def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
         assert self.tokenizer is not None
         try:
-            if kind == "chat":
+            if kind != "completions":  # chat, and the APIs the proxy renders as chat messages
                 return self.tokenizer.encode_chat(raw["messages"], raw.get("tools"))
             prompt = raw["prompt"]
             if isinstance(prompt, list) and prompt:

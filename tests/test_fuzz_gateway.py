@@ -3,8 +3,8 @@
 Two sources of input: schemathesis (positive and negative cases derived from the gateway's own
 OpenAPI document, whose request bodies are published from the msgspec Structs) and hand-written
 hypothesis strategies for what a schema never says (deep nesting, invalid UTF-8, 10 MB bodies, ...).
-What must hold for every case: no 5xx, every 4xx is OpenAI-shaped, and the gateway still serves
-valid traffic afterwards. Requests that reach an engine are capped at 2 output tokens.
+What must hold for every case: no 5xx, every 4xx in its route's shape (Anthropic's on /v1/messages,
+OpenAI's elsewhere), and the gateway still serves valid traffic afterwards. Requests that reach an engine are capped at 2 output tokens.
 """
 
 from __future__ import annotations
@@ -59,9 +59,24 @@ def _write_results() -> None:
     RESULTS.write_text(json.dumps({
         "cases_total": total, "by_source": TALLY, "by_status": dict(sorted(STATUSES.items())),
         "failures": FAILURES[:50],
-        "checks": ["no 5xx", "every 4xx OpenAI-shaped", "gateway serves valid traffic afterwards"],
+        "checks": ["no 5xx", "every 4xx in its route's shape", "gateway serves valid traffic afterwards"],
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }, indent=2) + "\n")
+
+
+# How each kind of stream ends.
+STREAM_ENDS = (b"data: [DONE]", b"event: response.completed", b"event: message_stop")
+
+
+def anthropic_problem(status: int, body: bytes) -> str | None:
+    try:
+        payload = json.loads(body)
+        err = payload["error"]
+        if payload["type"] != "error" or set(err) != {"type", "message"} or not err["message"]:
+            return f"HTTP {status} error not Anthropic-shaped: {body[:200]!r}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status} body not Anthropic-shaped: {body[:200]!r}"
+    return None
 
 
 def check_response(label: str, status: int, headers, body: bytes) -> str | None:
@@ -69,6 +84,8 @@ def check_response(label: str, status: int, headers, body: bytes) -> str | None:
     problem = None
     if status >= 500:
         problem = f"HTTP {status}"
+    elif status >= 400 and " /v1/messages" in label:
+        problem = anthropic_problem(status, body)
     elif status >= 400:
         try:
             err = json.loads(body)["error"]
@@ -77,8 +94,8 @@ def check_response(label: str, status: int, headers, body: bytes) -> str | None:
         except (ValueError, KeyError, TypeError):
             problem = f"HTTP {status} body not OpenAI-shaped: {body[:200]!r}"
     elif status == 200 and headers.get("content-type", "").startswith("text/event-stream"):
-        if b"data: [DONE]" not in body:
-            problem = "stream without data: [DONE]"
+        if not any(end in body for end in STREAM_ENDS):
+            problem = "stream without its final event"
     TALLY[label.split(" ")[0]] = TALLY.get(label.split(" ")[0], 0) + 1
     STATUSES[str(status)] = STATUSES.get(str(status), 0) + 1
     if problem:
@@ -87,16 +104,18 @@ def check_response(label: str, status: int, headers, body: bytes) -> str | None:
     return None
 
 
-def cap_engine_work(body, i: int):
+def cap_engine_work(body, i: int, path: str = ""):
     """Half of the bodies name the served model so they reach an engine; keep those cheap."""
     if not isinstance(body, dict):
         return body
     if i % 2 == 0 and isinstance(body.get("model"), str):
         body["model"] = "demo" if i % 4 == 0 else "demo:fast"
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(field), int) and not isinstance(body.get(field), bool) and body[field] > 2:
             body[field] = 2
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if path == "/v1/responses":
+        body.setdefault("max_output_tokens", 2)
+    elif "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = 2
     return body
 
@@ -118,7 +137,8 @@ def test_openapi_document_is_valid_and_publishes_request_bodies(fuzz_gateway):
     operations = [r.ok() for r in schema.get_all_operations()]  # .ok() raises on an invalid operation
     labels = {op.label for op in operations}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /healthz",
-            "GET /metrics", "GET /admin/fleet"} <= labels
+            "GET /metrics", "GET /admin/fleet", "POST /v1/responses", "POST /v1/messages",
+            "POST /v1/messages/count_tokens", "GET /v1/models/{model_id}"} <= labels
     doc = httpx.get(fuzz_gateway.url + "/openapi.json").json()
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat == {"$ref": "#/components/schemas/ChatCompletionRequest"}
@@ -144,7 +164,7 @@ def test_schemathesis_every_operation(fuzz_gateway, mode):
         def run(case):
             kwargs = case.as_transport_kwargs(base_url=fuzz_gateway.url)
             if "json" in kwargs:
-                kwargs["json"] = cap_engine_work(kwargs["json"], next(counter))
+                kwargs["json"] = cap_engine_work(kwargs["json"], next(counter), op.path)
             kwargs.setdefault("timeout", 60)
             resp = http.request(**kwargs)
             check_response(label, resp.status_code, resp.headers, resp.content)

@@ -1,0 +1,212 @@
+"""The inference APIs the proxy serves, one `Api` each: its upstream path and request schema, where
+its answers carry usage, how the gateway adds tier and cost to them, and the shape of its errors.
+The request path (gateway/proxy.py) is the same for all of them.
+
+Streams: `final_marker` finds the event that carries the final usage (the one event the proxy
+decodes and rewrites); `token_marker` counts generated tokens as events are relayed, which bills a
+stream the client abandoned (gateway/accounting.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from .context import RequestContext, Usage
+from .errors import (APIError, anthropic_error_body, anthropic_error_response, anthropic_status, error_body)
+from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
+                      ResponsesRequest)
+from .sse import DONE, EVENT_END, data_event
+from .tiers import RESPONSE_SERVICE_TIER
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder(decimal_format="number").encode
+# Anthropic's usage.service_tier vocabulary.
+_ANTHROPIC_SERVICE_TIER = {"standard": "standard", "fast": "priority"}
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+class Api:
+    """OpenAI's chat completions and completions: usage in `usage` (prompt_tokens_details for the
+    cached part), streamed in a final `data:` chunk without choices."""
+
+    name = "chat"
+    path = "/v1/chat/completions"
+    request: type = ChatCompletionRequest
+    final_marker = b'"usage":{'
+    token_marker = EVENT_END          # every content event is one token (the first one: the role)
+    event_prefix = b"data: {"
+
+    def usage(self, answer: dict[str, Any]) -> Usage:
+        """The usage of a unary answer (or of the final stream event)."""
+        return Usage.from_wire(answer.get("usage"))
+
+    def final_usage(self, event: dict[str, Any]) -> Usage:
+        return self.usage(event)
+
+    def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
+        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
+        answer["system_fingerprint"] = f"yieldgate-{ctx.weight_version}"
+        wire = answer.get("usage")
+        if isinstance(wire, dict):
+            details = wire.get("prompt_tokens_details")
+            if not isinstance(details, dict):
+                details = wire["prompt_tokens_details"] = {}
+            details["cached_tokens"] = usage.cached_tokens
+            wire.update(extra)
+
+    def decorate_final(self, event: dict[str, Any], ctx: RequestContext, usage: Usage,
+                       extra: dict[str, Any]) -> None:
+        self.decorate(event, ctx, usage, extra)
+
+    def error(self, exc: APIError) -> Response:
+        return exc.response()
+
+    def upstream_error(self, status: int, data: bytes) -> Response:
+        """Pass the engine's OpenAI-shaped error through; wrap anything else."""
+        try:
+            body = _decode(data)
+            if isinstance(body, dict) and isinstance(body.get("error"), dict):
+                err = body["error"]
+                code = err.get("code")
+                return Response(error_body(str(err.get("message", "")),
+                                           "invalid_request_error" if status < 500 else "upstream_error",
+                                           err.get("param"), code if isinstance(code, str) else None),
+                                status_code=status if status < 500 else 502, media_type="application/json")
+        except msgspec.DecodeError:
+            pass
+        return self.error(APIError(f"Upstream replica answered HTTP {status}.",
+                                   status=502 if status >= 500 else status, code="upstream_error"))
+
+    def stream_error(self, message: str) -> bytes:
+        """How a stream ends when its engine fails mid-way."""
+        return data_event(error_body(message, "upstream_error", None, "upstream_error")) + DONE
+
+
+class CompletionsApi(Api):
+    name = "completions"
+    path = "/v1/completions"
+    request = CompletionRequest
+
+
+class ResponsesApi(Api):
+    """OpenAI's Responses API: usage as input_tokens (input_tokens_details.cached_tokens) and
+    output_tokens on the response object; a stream's final event is `response.completed`."""
+
+    name = "responses"
+    path = "/v1/responses"
+    request = ResponsesRequest
+    final_marker = b"event: response.completed\n"
+    token_marker = b".delta\ndata: "  # response.output_text.delta, reasoning_text.delta, ...
+    event_prefix = b"event: "
+
+    def usage(self, answer: dict[str, Any]) -> Usage:
+        u = answer.get("usage")
+        if not isinstance(u, dict):
+            return Usage()
+        details = u.get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return Usage(_int(u.get("input_tokens")), _int(cached), _int(u.get("output_tokens")))
+
+    def final_usage(self, event: dict[str, Any]) -> Usage:
+        response = event.get("response")
+        return self.usage(response) if isinstance(response, dict) else Usage()
+
+    def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
+        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
+        wire = answer.get("usage")
+        if isinstance(wire, dict):
+            details = wire.get("input_tokens_details")
+            if not isinstance(details, dict):
+                details = wire["input_tokens_details"] = {}
+            details["cached_tokens"] = usage.cached_tokens
+            wire.update(extra)
+
+    def decorate_final(self, event: dict[str, Any], ctx: RequestContext, usage: Usage,
+                       extra: dict[str, Any]) -> None:
+        response = event.get("response")
+        if isinstance(response, dict):
+            self.decorate(response, ctx, usage, extra)
+
+    def upstream_error(self, status: int, data: bytes) -> Response:
+        if status == 404 and b"not found" in data:
+            # vLLM keeps stored responses in memory: an engine that restarted has forgotten them.
+            try:
+                message = str(_decode(data)["error"]["message"])
+            except (msgspec.DecodeError, KeyError, TypeError):
+                message = "Previous response not found."
+            return Response(error_body(f"Previous response not found: {message}", "invalid_request_error",
+                                       "previous_response_id", "previous_response_not_found"),
+                            status_code=404, media_type="application/json")
+        return super().upstream_error(status, data)
+
+    def stream_error(self, message: str) -> bytes:
+        return b"event: error\ndata: " + _encode(
+            {"type": "error", "code": "upstream_error", "message": message, "param": None}) + EVENT_END
+
+
+class MessagesApi(Api):
+    """Anthropic's Messages API: usage as input_tokens (the uncached part), cache_read_input_tokens,
+    cache_creation_input_tokens and output_tokens; streamed on message_start and, final, on
+    message_delta. Errors in Anthropic's shape."""
+
+    name = "messages"
+    path = "/v1/messages"
+    request = MessagesRequest
+    final_marker = b"event: message_delta\n"
+    token_marker = b"event: content_block_delta\n"
+    event_prefix = b"event: "
+
+    def usage(self, answer: dict[str, Any]) -> Usage:
+        u = answer.get("usage")
+        if not isinstance(u, dict):
+            return Usage()
+        cached = _int(u.get("cache_read_input_tokens"))
+        prompt = _int(u.get("input_tokens")) + cached + _int(u.get("cache_creation_input_tokens"))
+        return Usage(prompt, cached, _int(u.get("output_tokens")))
+
+    def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
+        wire = answer.get("usage")
+        if isinstance(wire, dict):
+            wire["cache_read_input_tokens"] = usage.cached_tokens
+            wire["service_tier"] = _ANTHROPIC_SERVICE_TIER.get(ctx.tier, "standard")
+            wire.update(extra)
+
+    def error(self, exc: APIError) -> Response:
+        return exc.anthropic_response()
+
+    def upstream_error(self, status: int, data: bytes) -> Response:
+        """vLLM answers these routes in Anthropic's shape already; keep the message, set the type
+        from the status as Anthropic does."""
+        message = f"Upstream replica answered HTTP {status}."
+        try:
+            body = _decode(data)
+            err = body.get("error") if isinstance(body, dict) else None
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                message = err["message"]
+        except msgspec.DecodeError:
+            pass
+        return anthropic_error_response(status if status < 500 else 502, message)
+
+    def stream_error(self, message: str) -> bytes:
+        return b"event: error\ndata: " + anthropic_error_body(anthropic_status(502), message) + EVENT_END
+
+
+class CountTokensApi(MessagesApi):
+    """Anthropic's token count: answered by an engine, not billed (it generates nothing)."""
+
+    name = "count_tokens"
+    path = "/v1/messages/count_tokens"
+    request = CountTokensRequest
+
+
+APIS: dict[str, Api] = {api.name: api for api in (Api(), CompletionsApi(), ResponsesApi(), MessagesApi(),
+                                                  CountTokensApi())}
+# The inference routes, served straight from ASGI (gateway/app.py).
+ROUTES: dict[str, str] = {api.path: api.name for api in APIS.values()}
+ANTHROPIC = frozenset({"messages", "count_tokens"})
