@@ -187,7 +187,7 @@ class Accounting:
         self._admin_token = config.server.admin_token.encode()
         self._request_metrics = config.server.request_metrics
         # Every tier the fleet serves must have a price, or finish() could not bill it.
-        for tier in {r.tier for r in config.fleet.replicas}:
+        for tier in config.fleet.tier_names():
             self.price_book.price(config.fleet.model, tier)
         metrics.on_render(self.refresh_gauges)
 

@@ -7,6 +7,7 @@ exports carry the same Decimals as text.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 from datetime import datetime, timezone
@@ -106,12 +107,19 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
     @router.get("/fleet")
     async def fleet() -> dict:
         engines = gw.engine_status()  # launched engines: supervisor state, restarts, why down
-        return {name: {"tier": r.tier, "url": r.url, "healthy": r.healthy, "admitted": r.admitted,
+        return {name: {"tier": r.tier, "url": r.url, "source": r.source, "state": r.state,
+                       "healthy": r.healthy, "admitted": r.admitted,
                        "restoring": r.restoring, "note": r.note,
                        "inflight": r.inflight, "weight_version": r.weight_version,
                        "kv_capacity_blocks": r.kv_capacity_blocks, "engine_metrics": r.engine_metrics,
                        **({"engine": engines[name]} if name in engines else {})}
                 for name, r in gw.fleet.replicas.items()}
+
+    @router.get("/discovery")
+    async def discovery() -> Response:
+        """Per discovered tier: its source, the last lookup's outcome, and whether the fleet is
+        running on the last good set because lookups fail."""
+        return json_response({tier: dataclasses.asdict(status) for tier, status in gw.fleet.discovery.status.items()})
 
     # -- API keys --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import ipaddress
 import logging
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from yieldgate.serving.fleet import Fleet
+from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
@@ -74,6 +75,9 @@ class Gateway:
         self.dashboard = Dashboard(self)
         self.proxy = Proxy(config, self.fleet, self.routing, self.accounting)
         self.weights = WeightOrchestrator(self)
+        self.fleet.discovery.on_failure = self._discovery_failed
+        self.fleet.on_join.append(self._joined)
+        self.fleet.on_leave.append(self._left)
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -97,6 +101,20 @@ class Gateway:
             self._down_reason[replica] = event
         elif event == "restarted":
             self.metrics.engine_restarts.labels(replica, self._down_reason.get(replica, "unknown")).inc()
+
+    def _discovery_failed(self, tier: str, reason: str) -> None:
+        self.metrics.discovery_failures.labels(tier, reason).inc()
+
+    async def _joined(self, replica: Replica) -> None:
+        self.accounting.fleet_cost.add_replica(replica.name, Decimal(replica.config.cost_per_hour or "0"))
+        self.metrics.membership.labels(replica.tier, "joined").inc()
+
+    async def _left(self, replica: Replica) -> None:
+        self.metrics.membership.labels(replica.tier, "left").inc()
+        for gauge, labels in ((self.metrics.replica_up, (replica.name, replica.tier)),
+                              (self.metrics.inflight, (replica.name,))):
+            with contextlib.suppress(KeyError):  # a replica gone before any scrape has no series
+                gauge.remove(*labels)
 
     def engine_status(self) -> dict[str, dict[str, Any]]:
         return self.supervisor.status() if self.supervisor is not None else {}

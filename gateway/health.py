@@ -61,6 +61,8 @@ def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
             metrics.inflight.labels(r.name).set(r.inflight)
         for tier in fleet.tiers():
             metrics.tier_routable.labels(tier).set(sum(r.routable for r in fleet.in_tier(tier)))
+        for tier, status in fleet.discovery.status.items():
+            metrics.discovery_stale.labels(tier).set(1 if status.stale else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return router

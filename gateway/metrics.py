@@ -127,6 +127,18 @@ class GatewayMetrics:
         self.ledger_pending_bytes = Gauge(
             "yieldgate_ledger_pending_bytes", "Journal bytes not yet confirmed by the ledger store",
             registry=r)
+        self.discovery_failures = Counter(
+            "yieldgate_discovery_failures",
+            "Replica lookups that gave no usable answer (the tier kept its last good set), by reason",
+            ["tier", "reason"], registry=r)
+        self.discovery_stale = Gauge(
+            "yieldgate_discovery_stale",
+            "1 while the tier's last replica lookup failed and its last good set is kept", ["tier"],
+            registry=r)
+        self.membership = Counter(
+            "yieldgate_replica_membership_changes",
+            "Discovered replicas that joined (passed their probes) or left (drained) a tier",
+            ["tier", "change"], registry=r)
         self._refresh: list[Callable[[], None]] = []
 
     def on_render(self, refresh: Callable[[], None]) -> None:

@@ -1,7 +1,8 @@
 """Per-tier routing: the gateway's adapter to the policies, tokenizer and prefix index in `cache`.
 
 One prefix index for the whole fleet (shared with other gateways through Redis when reachable), one
-`cache.Router` per tier with the tier's policy, one KV-event subscriber per engine that publishes.
+`cache.Router` per tier with the tier's policy, one KV-event subscriber per engine that publishes;
+a discovered replica gets its subscriber and index slot when it joins and loses them when it leaves.
 The prompt is tokenized only when the tier's policy needs tokens.
 """
 
@@ -31,7 +32,7 @@ class Routing:
         self.index: PrefixIndex | SharedPrefixIndex = PrefixIndex()
         self.routers: dict[str, Router] = {}
         self.tokenizer: Tokenizer | None = None
-        self.subscribers: list[KVEventSubscriber] = []
+        self.subscribers: dict[str, KVEventSubscriber] = {}
         self._redis: aioredis.Redis | None = None
 
     async def start(self) -> None:
@@ -41,11 +42,27 @@ class Routing:
         if any(r.needs_tokens for r in self.routers.values()):
             self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
         for replica in self.fleet.replicas.values():
-            endpoint = replica.config.kv_events
-            if endpoint:
-                sub = KVEventSubscriber(replica.name, endpoint, self.index)
-                sub.start()
-                self.subscribers.append(sub)
+            if not replica.joining:
+                await self.joined(replica)
+        self.fleet.on_join.append(self.joined)
+        self.fleet.on_leave.append(self.left)
+
+    async def joined(self, replica: Replica) -> None:
+        """Follow the replica's KV events (when it publishes them) and size its index slot."""
+        endpoint = replica.config.kv_events
+        if endpoint and replica.name not in self.subscribers:
+            sub = KVEventSubscriber(replica.name, endpoint, self.index)
+            sub.start()
+            self.subscribers[replica.name] = sub
+        if replica.kv_capacity_blocks:
+            self.index.set_capacity(replica.name, replica.kv_capacity_blocks)
+
+    async def left(self, replica: Replica) -> None:
+        """The replica is gone: stop following it and drop what the index says it holds."""
+        sub = self.subscribers.pop(replica.name, None)
+        if sub is not None:
+            await sub.stop()
+        self.index.clear(replica.name)
 
     def _router(self, tier: TierConfig) -> Router:
         config = RouterConfig(policy=tier.policy, overlap_weight=tier.overlap_weight,
@@ -80,7 +97,7 @@ class Routing:
         return Tokenizer.from_model_dir(model_path)
 
     async def close(self) -> None:
-        for sub in self.subscribers:
+        for sub in self.subscribers.values():
             await sub.stop()
         if isinstance(self.index, SharedPrefixIndex):
             await self.index.close()

@@ -68,6 +68,61 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
         return ""
 
 
+DISCOVERY_KINDS = ("static", "dns")
+
+
+class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where a tier's replicas come from (serving/discovery.py). "static": the [[fleet.replicas]]
+    of the tier. "dns": `name` re-resolved every interval_s, as A/AAAA records plus `port`, or as SRV
+    records (target and port per replica) with srv = true."""
+
+    kind: str = "static"
+    name: str = ""
+    port: int = 0                 # A/AAAA: the engines' HTTP port (SRV records carry their own)
+    srv: bool = False
+    nameservers: list[str] = []   # "host" or "host:port"; [] = the system's resolv.conf
+    interval_s: float = 5.0
+    timeout_s: float = 2.0        # per lookup, all nameservers tried
+    kv_events_port: int = 0       # engines publish KV events on tcp://<address>:<port>; 0 = none
+    cost_per_hour: str = "0"      # USD per discovered replica, a decimal string
+
+    def __post_init__(self) -> None:
+        if self.kind not in DISCOVERY_KINDS:
+            raise ValueError(f"discovery.kind must be one of {DISCOVERY_KINDS}, not {self.kind!r}")
+        if self.kind != "dns":
+            return
+        if not self.name:
+            raise ValueError("dns discovery needs a name")
+        if not self.srv and not 0 < self.port < 65536:
+            raise ValueError("dns discovery of A/AAAA records needs a port (1-65535), or srv = true")
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("discovery interval_s and timeout_s must be > 0")
+        if not 0 <= self.kv_events_port < 65536:
+            raise ValueError(f"discovery.kv_events_port must be 0-65535, not {self.kv_events_port}")
+        for ns in self.nameservers:
+            nameserver_address(ns)
+
+
+def nameserver_address(spec: str) -> tuple[str, int]:
+    """"127.0.3.1:5353" -> ("127.0.3.1", 5353); "::1" or "[::1]:53" for IPv6; port 53 by default."""
+    import ipaddress
+
+    host, port = spec, "53"
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif spec.count(":") == 1:
+        host, port = spec.split(":")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"nameserver {spec!r} must be an IP address with an optional :port") from None
+    if not 0 < number < 65536:
+        raise ValueError(f"nameserver {spec!r}: port out of range")
+    return host, number
+
+
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     policy: str = "cache_aware"   # a preset: round_robin | least_loaded | session | cache_aware
     # Or a pipeline of registered parts (cache/policies.py), labelled `policy` in metrics.
@@ -90,6 +145,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # The tier that serves this tier's requests while none of its own replicas is routable (same
     # model); priced and labelled by the tier that served. "" = answer 503 instead.
     fallback: str = ""
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    @property
+    def discovered(self) -> bool:
+        return self.discovery.kind != "static"
 
     def __post_init__(self) -> None:
         # An unknown policy or part name is a config error at start-up, not at the first request.
@@ -116,7 +176,8 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     supervision: SupervisionConfig = SupervisionConfig()
 
     def __post_init__(self) -> None:
-        if not self.replicas:
+        discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
+        if not self.replicas and not discovered:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args)
         if not self.tiers:
             present = sorted({r.tier for r in self.replicas})
@@ -132,6 +193,13 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
             if tier.fallback and (tier.fallback == name or tier.fallback not in TIERS):
                 raise ValueError(f"tier {name!r}: fallback must be another tier (one of {TIERS}), "
                                  f"not {tier.fallback!r}")
+        for name in discovered:
+            if name not in TIERS:
+                raise ValueError(f"tier {name!r}: unknown tier (one of {TIERS})")
+            listed = [r.name for r in self.replicas if r.tier == name]
+            if listed:
+                raise ValueError(f"tier {name!r} discovers its replicas ({self.tiers[name].discovery.kind}); "
+                                 f"it cannot also list {listed} in [[fleet.replicas]]")
         if self.health_timeouts_to_eject < 1:
             raise ValueError("health_timeouts_to_eject must be at least 1")
         if self.block_size <= 0 or self.block_size % 16:
@@ -139,6 +207,10 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     def tier(self, name: str) -> TierConfig:
         return self.tiers.get(name) or TierConfig()
+
+    def tier_names(self) -> list[str]:
+        """Tiers with listed replicas or a discovery source (which may have none yet)."""
+        return sorted({r.tier for r in self.replicas} | {t for t, c in self.tiers.items() if c.discovered})
 
 
 # Shared by the demo engines. Prefix caching with cached-token counts in usage; KV events feed the

@@ -12,12 +12,18 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .config import FleetConfig, ReplicaConfig
+from .discovery import Discovery, sources_for
 
 log = logging.getLogger("yieldgate.fleet")
 
 # Called when a replica comes back serving other weights than its label (its engine restarted):
 # puts the labelled version back, or leaves the replica out of routing saying why.
 RestoreHook = Callable[["Replica", str], Awaitable[None]]
+# Called when a discovered replica has passed its join probes (before it gets traffic), and when one
+# that left has drained (its last in-flight request is over) and is gone from the fleet.
+MembershipHook = Callable[["Replica"], Awaitable[None]]
+# How often a leaving replica's in-flight count is looked at until it drains.
+DRAIN_POLL_S = 0.1
 
 # vLLM reports "default" as the weight version it was launched with; the gateway calls it "base".
 BASE_VERSION = "base"
@@ -58,6 +64,9 @@ class Replica:
     engine_started: float | None = None  # its engine's process start time, when it reports one
     restoring: bool = False        # back from a restart; its weights are being put back
     note: str = ""                 # why it is out of routing, when it is for a reason of ours
+    source: str = "static"         # where the replica came from: "static" or a discovery label
+    joining: bool = False          # discovered, not through its join probes yet: no traffic
+    leaving: bool = False          # gone from its source: no new requests, dropped once drained
 
     @property
     def name(self) -> str:
@@ -92,7 +101,18 @@ class Replica:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and self.admitted and not self.restoring
+        return self.healthy and self.admitted and not self.restoring and not self.joining and not self.leaving
+
+    @property
+    def state(self) -> str:
+        """One word for GET /admin/fleet: joining, leaving, down, restoring, out or serving."""
+        if self.leaving or self.joining:
+            return "leaving" if self.leaving else "joining"
+        if not self.healthy:
+            return "down"
+        if self.restoring:
+            return "restoring"
+        return "serving" if self.admitted else "out"
 
 
 class Fleet:
@@ -106,9 +126,14 @@ class Fleet:
         self._released: asyncio.Event | None = None
         self.restore: RestoreHook | None = None
         self._restores: dict[str, asyncio.Task] = {}
+        self.on_join: list[MembershipHook] = []
+        self.on_leave: list[MembershipHook] = []
+        self._drains: dict[str, asyncio.Task] = {}
+        self.discovery = Discovery(sources_for(config), self.reconcile,
+                                   {t: c.discovery.interval_s for t, c in config.tiers.items()})
 
     def tiers(self) -> list[str]:
-        return sorted({r.tier for r in self.replicas.values()})
+        return sorted({r.tier for r in self.replicas.values()} | set(self.config.tier_names()))
 
     def in_tier(self, tier: str) -> list[Replica]:
         return [r for r in self.replicas.values() if r.tier == tier]
@@ -153,13 +178,15 @@ class Fleet:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s))
         await self.check_health()
         await self.scrape()
+        await self.discovery.start()
         self._tasks = [
             asyncio.create_task(self._every(self.config.health_interval_s, self.check_health)),
             asyncio.create_task(self._every(self.config.scrape_interval_s, self.scrape)),
         ]
 
     async def close(self) -> None:
-        tasks = self._tasks + list(self._restores.values())
+        await self.discovery.close()
+        tasks = self._tasks + list(self._restores.values()) + list(self._drains.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -175,7 +202,112 @@ class Fleet:
                 log.exception("fleet probe failed")
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._probe(r) for r in self.replicas.values()))
+        # Joining replicas are probed by their discovery pass (see `_join`), not here.
+        await asyncio.gather(*(self._probe(r) for r in self.replicas.values() if not r.joining))
+
+    # -- membership: discovered replicas join and leave ------------------------------------------
+
+    async def reconcile(self, tier: str, source: str, found: list[ReplicaConfig]) -> None:
+        """Make `tier`'s replicas from `source` the ones found: new ones are probed before they
+        get traffic, missing ones drain and go, returning ones stay. Replicas of other sources
+        (a static list, another tier) are never touched."""
+        mine = {n: r for n, r in self.replicas.items() if r.tier == tier and r.source == source}
+        wanted: dict[str, ReplicaConfig] = {}
+        for config in found:
+            other = self.replicas.get(config.name)
+            if other is not None and other.name not in mine:
+                log.warning("discovery for tier %s found %s, already a replica of tier %s (%s): skipped",
+                            tier, config.name, other.tier, other.source)
+                continue
+            wanted[config.name] = config
+        for name, replica in mine.items():
+            if name not in wanted and not replica.leaving:
+                self.leave(replica, f"no longer listed by {source}")
+        joins = []
+        for name, config in wanted.items():
+            replica = mine.get(name)
+            if replica is None:
+                replica = self.replicas[name] = Replica(config, source=source, joining=True,
+                                                        note="joining: not probed yet")
+                log.warning("replica %s found by %s (tier %s): probing it before it gets traffic",
+                            name, source, tier)
+            elif replica.leaving:
+                self._stay(replica)
+            if replica.joining:
+                joins.append(self._join(replica))
+        await asyncio.gather(*joins)
+
+    async def _join(self, replica: Replica) -> None:
+        """Health, served model and KV capacity: all three read before the first request."""
+        problem = await self._join_problem(replica)
+        if replica.leaving or self.replicas.get(replica.name) is not replica:
+            return  # left while it was being probed
+        if problem:
+            if replica.note != f"joining: {problem}":
+                log.warning("replica %s cannot join yet: %s", replica.name, problem)
+            replica.note = f"joining: {problem}"
+            return
+        await self._on_up(replica)  # label it with the weights its engine serves
+        self.set_health(replica, True)
+        for hook in self.on_join:
+            try:
+                await hook(replica)
+            except Exception:  # a subscriber that cannot start must not keep a replica out
+                log.exception("replica %s: join hook failed", replica.name)
+        replica.joining, replica.note = False, ""
+        log.warning("replica %s joined tier %s (%s): kv capacity %s blocks", replica.name, replica.tier,
+                    replica.source, replica.kv_capacity_blocks)
+
+    async def _join_problem(self, replica: Replica) -> str:
+        assert self._session is not None
+        try:
+            async with self._session.get(replica.url + "/health") as resp:
+                if resp.status != 200:
+                    return f"/health answers {resp.status}"
+            async with self._session.get(replica.url + "/v1/models") as resp:
+                served = [m.get("id") for m in (await resp.json()).get("data", [])] if resp.status == 200 else []
+            if self.config.model not in served:
+                return f"/v1/models lists {served}, not {self.config.model!r}"
+            async with self._session.get(replica.url + "/metrics") as resp:
+                text = await resp.text() if resp.status == 200 else ""
+            replica.engine_metrics, capacity = parse_engine_metrics(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return f"unreachable ({type(exc).__name__})"
+        except (ValueError, AttributeError, TypeError) as exc:
+            return f"unreadable answer ({type(exc).__name__})"
+        if not capacity:
+            return "/metrics has no KV capacity (vllm:cache_config_info num_gpu_blocks)"
+        replica.kv_capacity_blocks = capacity
+        return ""
+
+    def leave(self, replica: Replica, why: str) -> None:
+        """Out of routing at once; dropped from the fleet when its last in-flight request is over."""
+        replica.leaving, replica.note = True, f"leaving: {why}"
+        log.warning("replica %s leaves tier %s: %s (%d in flight)", replica.name, replica.tier, why,
+                    replica.inflight)
+        self._drains[replica.name] = asyncio.create_task(self._drain(replica))
+
+    def _stay(self, replica: Replica) -> None:
+        drain = self._drains.pop(replica.name, None)
+        if drain is not None:
+            drain.cancel()
+        replica.leaving, replica.note = False, "joining: listed again" if replica.joining else ""
+        log.warning("replica %s is listed again by %s: it stays", replica.name, replica.source)
+
+    async def _drain(self, replica: Replica) -> None:
+        while replica.inflight > 0:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.replicas.get(replica.name) is replica:
+            del self.replicas[replica.name]
+        self._drains.pop(replica.name, None)
+        log.warning("replica %s drained and left the fleet", replica.name)
+        if replica.joining:
+            return  # never joined: nothing was set up for it
+        for hook in self.on_leave:
+            try:
+                await hook(replica)
+            except Exception:
+                log.exception("replica %s: leave hook failed", replica.name)
 
     async def _probe(self, replica: Replica) -> None:
         assert self._session is not None

@@ -381,7 +381,7 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
     gw = gateway_factory(config)
     fleet = gw.gateway.fleet
     wait_until(lambda: all(r.healthy for r in fleet.replicas.values()), 20, "both replicas healthy")
-    subscriber = next(s for s in gw.gateway.routing.subscribers if s.replica == "chaos-0")
+    subscriber = gw.gateway.routing.subscribers["chaos-0"]
     long_prompt = " ".join(f"word{i}" for i in range(200))  # several full KV blocks: BlockStored events
 
     def fill_cache(tag: str) -> None:
