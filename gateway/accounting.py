@@ -294,11 +294,10 @@ class Accounting:
                 await self.limiter.acquire(key, ctx.rate_tokens)
             if key.budget_usd is not None:
                 max_out = ctx.max_tokens or self.config.limits.max_tokens
-                # Reserve enough for the tier that may serve it instead (failover), if dearer.
-                tiers = {ctx.tier, self.config.fleet.tier(ctx.tier).fallback} - {""}
+                # The requested tier's price: a failover to a dearer tier settles at that tier's
+                # exact cost, so a hard budget is overshot by at most one such request's difference.
                 ctx.reservation = await self.budget.reserve(
-                    key, max((self.price_book.max_cost(ctx.model, t, upper, max_out) for t in tiers),
-                             key=lambda c: c.total))
+                    key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out))
                 if ctx.reservation.over_soft_budget:  # a soft budget flags, never refuses
                     self.metrics.soft_budget_exceeded.labels(key.id, key.team).inc()
         except PricingRateLimited as exc:
