@@ -10,7 +10,9 @@ OpenAI's elsewhere), and the gateway still serves valid traffic afterwards. Requ
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -56,11 +58,15 @@ def _write_results() -> None:
     total = sum(TALLY.values())
     print(f"\n[fuzz] {total} cases: {TALLY}; failures: {len(FAILURES)}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=RESULTS.parent).stdout.strip()
     RESULTS.write_text(json.dumps({
+        "meta": {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
+                 "command": "scripts/dev test -k fuzz (tests/test_fuzz_gateway.py)"},
         "cases_total": total, "by_source": TALLY, "by_status": dict(sorted(STATUSES.items())),
         "failures": FAILURES[:50],
         "checks": ["no 5xx", "every 4xx in its route's shape", "gateway serves valid traffic afterwards"],
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }, indent=2) + "\n")
 
 
