@@ -454,6 +454,12 @@ class Rollout:
                 log.error("rollback of %s to %s impossible: no checkpoint on disk", replica, prev)
                 continue  # leave it out of routing: it serves unknown weights
             try:
+                # Out of routing and drained first: a request spanning the reload would be
+                # answered by one version and labelled with the other.
+                await self._take_out(replica)
+            except RolloutFailed as exc:
+                log.error("restoring %s: %s; reloading anyway", replica, exc.reason)
+            try:
                 await asyncio.to_thread(reload_from_checkpoint, replica, source, prev)
             except (BridgeError, httpx.HTTPError, ValueError) as exc:
                 log.error("rollback of %s to %s failed: %s", replica, prev, exc)
