@@ -52,13 +52,7 @@ class Api:
     def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
         answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
         answer["system_fingerprint"] = f"yieldgate-{ctx.weight_version}"
-        wire = answer.get("usage")
-        if isinstance(wire, dict):
-            details = wire.get("prompt_tokens_details")
-            if not isinstance(details, dict):
-                details = wire["prompt_tokens_details"] = {}
-            details["cached_tokens"] = usage.cached_tokens
-            wire.update(extra)
+        _add_to_usage(answer, "prompt_tokens_details", usage, extra)
 
     def decorate_final(self, event: dict[str, Any], ctx: RequestContext, usage: Usage,
                        extra: dict[str, Any]) -> None:
@@ -119,13 +113,7 @@ class ResponsesApi(Api):
 
     def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
         answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
-        wire = answer.get("usage")
-        if isinstance(wire, dict):
-            details = wire.get("input_tokens_details")
-            if not isinstance(details, dict):
-                details = wire["input_tokens_details"] = {}
-            details["cached_tokens"] = usage.cached_tokens
-            wire.update(extra)
+        _add_to_usage(answer, "input_tokens_details", usage, extra)
 
     def decorate_final(self, event: dict[str, Any], ctx: RequestContext, usage: Usage,
                        extra: dict[str, Any]) -> None:
@@ -210,3 +198,14 @@ APIS: dict[str, Api] = {api.name: api for api in (Api(), CompletionsApi(), Respo
 # The inference routes, served straight from ASGI (gateway/app.py).
 ROUTES: dict[str, str] = {api.path: api.name for api in APIS.values()}
 ANTHROPIC = frozenset({"messages", "count_tokens"})
+
+
+def _add_to_usage(answer: dict[str, Any], details_key: str, usage: Usage, extra: dict[str, Any]) -> None:
+    """The cached tokens the gateway billed, and its cost fields, into the answer's `usage`."""
+    wire = answer.get("usage")
+    if isinstance(wire, dict):
+        details = wire.get(details_key)
+        if not isinstance(details, dict):
+            details = wire[details_key] = {}
+        details["cached_tokens"] = usage.cached_tokens
+        wire.update(extra)
