@@ -64,6 +64,9 @@ def engine_env(replica: ReplicaConfig) -> dict[str, str]:
             "PYTHONHASHSEED": "0",
             "VLLM_CPU_OMP_THREADS_BIND": spec.cpus or "auto",
             "VLLM_NO_USAGE_STATS": "1",
+            # vLLM's processes talk to each other on the host's address unless told otherwise;
+            # an engine's internals stay on loopback.
+            "VLLM_HOST_IP": "127.0.0.1",
             # Responses API: keep `store`d responses (in the engine's memory) for previous_response_id.
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
             "DO_NOT_TRACK": "1",

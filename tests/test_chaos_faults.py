@@ -37,7 +37,7 @@ CHAOS_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")) + 201  # b
 KV_BLOCKS = 2048
 ENGINE_ARGS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "4096", "--max-num-seqs", "32",
                "--enable-prefix-caching", "--enable-prompt-tokens-details",
-               "--num-gpu-blocks-override", str(KV_BLOCKS)]
+               "--num-gpu-blocks-override", str(KV_BLOCKS), "--enforce-eager"]  # starts sooner (tests/engines.py)
 
 
 def engine_metric(url: str, name: str) -> float:
