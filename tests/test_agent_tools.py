@@ -95,7 +95,7 @@ def test_chat_tool_choice(stack, oai, choice):
 
 def test_chat_tool_results_in_a_later_turn_are_rendered_and_routed(stack, oai):
     first = oai.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
-                                        max_tokens=MAX, temperature=0)
+                                        max_tokens=MAX, extra_body=GREEDY)
     calls = first.choices[0].message.tool_calls
     turn = ASK + [first.choices[0].message.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": c.id, "content": f"result {i}: 21 C, clear"} for i, c in enumerate(calls)]
@@ -136,7 +136,7 @@ def test_parallel_tool_calls_with_required(stack, oai):
     """`required` lets the engine return several calls (a JSON array of at least one); the gateway
     relays them all, ids distinct. parallel_tool_calls=false caps the array at one."""
     many = oai.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=MAX, temperature=0)
+                                       max_tokens=MAX, extra_body=GREEDY)
     one = oai.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
                                       parallel_tool_calls=False, max_tokens=MAX, temperature=0)
     ids = [c.id for c in many.choices[0].message.tool_calls]
@@ -200,38 +200,61 @@ def test_responses_stream_function_call_arguments_deltas(stack, oai):
 # -- Anthropic Messages ----------------------------------------------------------------------------
 
 
+def prompt_of(u) -> int:
+    """Anthropic's input_tokens is the uncached part of the prompt."""
+    return u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+
+
 @pytest.mark.parametrize("choice", [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_time"}],
                          ids=["auto", "any", "named"])
 def test_messages_tool_choice(stack, claude, choice):
-    request_id = rid("msg-tools")
-    msg = claude.messages.create(model="demo", messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice,
-                                 max_tokens=MAX, extra_body=GREEDY, extra_headers={"x-request-id": request_id})
-    uses = [b for b in msg.content if b.type == "tool_use"]
-    if choice["type"] == "auto":
-        assert not uses and msg.content[0].type == "text"
-    else:
-        assert uses and msg.stop_reason == "tool_use", msg
-        assert {b.name for b in uses} <= ({"get_time"} if choice["type"] == "tool" else NAMES)
-    u = msg.usage
-    billed_once(stack, request_id, u.model_extra["cost"], u.input_tokens + (u.cache_read_input_tokens or 0),
-                u.output_tokens)
+    """Unary Messages with a forced call has three true outcomes with the random model, over a few
+    sampled seeds: a tool_use of a listed tool; text, when the model leaves its <tool_call> unclosed
+    at the limit; or vLLM refusing its own answer (400, "Input should be a valid dictionary") when
+    the call's input is not a JSON object. The gateway relays each as the engine answers it, the 400
+    in Anthropic's shape and unbilled (one `upstream_400` row, cost 0), the others billed once."""
+    outcomes = set()
+    for seed in range(4):
+        request_id = rid("msg-tools")
+        try:
+            msg = claude.messages.create(model="demo", messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice=choice,
+                                         max_tokens=MAX, extra_body={"seed": seed},
+                                         extra_headers={"x-request-id": request_id})
+        except anthropic.BadRequestError as exc:
+            assert choice["type"] != "auto"
+            assert exc.body["type"] == "error" and exc.body["error"]["type"] == "invalid_request_error"
+            assert "valid dictionary" in exc.body["error"]["message"]
+            row = only_row(stack, request_id)
+            assert row["status"] == "upstream_400" and Decimal(row["cost_total"]) == 0
+            outcomes.add("refused")
+            continue
+        uses = [b for b in msg.content if b.type == "tool_use"]
+        if uses:
+            assert choice["type"] != "auto" and msg.stop_reason == "tool_use"
+            assert {b.name for b in uses} <= ({"get_time"} if choice["type"] == "tool" else NAMES)
+            outcomes.add("tool_use")
+        else:
+            assert msg.content[0].type == "text"
+            outcomes.add("text")
+        billed_once(stack, request_id, msg.usage.model_extra["cost"], prompt_of(msg.usage), msg.usage.output_tokens)
+    print(f"\n[tools] messages tool_choice={choice['type']}: {sorted(outcomes)}")
 
 
 def test_messages_tool_result_in_a_later_turn(stack, claude):
-    first = claude.messages.create(model="demo", messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
-                                   max_tokens=MAX, temperature=0)
-    uses = [b for b in first.content if b.type == "tool_use"]
-    turn = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "21 C"}
-                                               for b in uses]}]
+    turn = ASK + [
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Checking both."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "toolu_2", "name": "get_time", "input": {"zone": "CET"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C, clear"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "14:05"}]}]}]
     request_id = rid("msg-tool-result")
     msg = claude.messages.create(model="demo", messages=turn, tools=ANTHROPIC_TOOLS, max_tokens=4,
                                  extra_headers={"x-request-id": request_id})
-    u = msg.usage
-    assert u.input_tokens + (u.cache_read_input_tokens or 0) > first.usage.input_tokens + \
-        (first.usage.cache_read_input_tokens or 0)
-    billed_once(stack, request_id, u.model_extra["cost"], u.input_tokens + (u.cache_read_input_tokens or 0),
-                u.output_tokens)
+    without = claude.messages.count_tokens(model="demo", messages=ASK, tools=ANTHROPIC_TOOLS)
+    assert prompt_of(msg.usage) > without.input_tokens  # the calls and their results are in the prompt
+    billed_once(stack, request_id, msg.usage.model_extra["cost"], prompt_of(msg.usage), msg.usage.output_tokens)
 
 
 def test_messages_stream_input_json_deltas(stack, claude):
@@ -246,5 +269,4 @@ def test_messages_stream_input_json_deltas(stack, claude):
     assert deltas
     delta = next(e for e in events if e.type == "message_delta")
     assert final.stop_reason in ("tool_use", "max_tokens")
-    billed_once(stack, request_id, delta.usage.model_extra["cost"],
-                delta.usage.input_tokens + (delta.usage.cache_read_input_tokens or 0), delta.usage.output_tokens)
+    billed_once(stack, request_id, delta.usage.model_extra["cost"], prompt_of(delta.usage), delta.usage.output_tokens)
