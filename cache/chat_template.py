@@ -147,22 +147,58 @@ def to_conversation(messages: list[dict[str, Any]], content_format: ContentForma
 
 def _add_calls_and_names(out: dict[str, Any], message: dict[str, Any], role: str) -> None:
     if role == "assistant" and message.get("tool_calls") is not None:
-        calls = []
-        for call in message["tool_calls"]:
-            call = dict(call)
-            fn = dict(call.get("function") or {})
-            if isinstance(fn.get("arguments"), str):
-                try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except ValueError:
-                    fn["arguments"] = {}
-            call["function"] = fn
-            calls.append(call)
-        out["tool_calls"] = calls
+        calls = [_call_for_template(call) for call in message["tool_calls"]]
+        if calls:  # vLLM drops an empty list, keeping templates on the plain assistant path
+            out["tool_calls"] = calls
     if role == "tool" and "tool_call_id" in message:
         out["tool_call_id"] = message["tool_call_id"]
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
+    if role == "developer":
+        out["tools"] = message.get("tools")
+
+
+def _call_for_template(call: Any) -> Any:
+    """vLLM hands templates a call's arguments as an object: a JSON string is parsed, and anything
+    that is not an object (malformed, a list, empty) becomes {}."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    fn["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": fn}
+
+
+def tools_for_template(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Request tools as vLLM passes them to the template (its pydantic model's dump): only the
+    declared fields, `description` and `parameters` always present (null when absent), `strict`
+    and `defer_loading` only when set."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            out.append(tool)
+            continue
+        dumped: dict[str, Any] = {"name": fn.get("name"), "description": fn.get("description"),
+                                  "parameters": fn.get("parameters")}
+        for key in ("strict", "defer_loading"):
+            value = fn.get(key)
+            if value is None and key == "defer_loading":
+                value = tool.get("defer_loading")  # the tool-level flag propagates into function
+            if value is not None:
+                dumped[key] = value
+        entry: dict[str, Any] = {"type": tool.get("type", "function"), "function": dumped}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        out.append(entry)
+    return out
 
 
 class ChatTemplate:
@@ -208,7 +244,8 @@ class ChatTemplate:
                add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         conversation = to_conversation(messages, self.content_format)
         template = self._template
-        variables = {**self._base_vars, **template_kwargs, "messages": conversation, "tools": tools,
+        variables = {**self._base_vars, **template_kwargs, "messages": conversation,
+                     "tools": tools_for_template(tools),
                      "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
             # What Template.render does, with a context that already holds the globals.

@@ -166,6 +166,10 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     # With no replicas listed, the fleet is the demo fleet: two launched engines on these ports.
     demo_base_port: int = 8101
     demo_engine_args: list[str] = []
+    # vLLM's tool-call parser for the demo engines (`--enable-auto-tool-choice --tool-call-parser`);
+    # "hermes" reads the <tool_call>{json}</tool_call> blocks the demo chat template renders.
+    # "" = no tool calling (vLLM refuses requests with tools and a tool_choice).
+    demo_tool_call_parser: str = "hermes"
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     # A probe that times out ejects a healthy replica only after this many in a row: a busy engine on a
@@ -178,7 +182,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
         if not self.replicas and not discovered:
-            self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args)
+            self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args, self.demo_tool_call_parser)
         if not self.tiers:
             present = sorted({r.tier for r in self.replicas})
             # Same model on both tiers: each serves the other's requests while it has no replica.
@@ -232,9 +236,10 @@ _SPEC_DECODE = (
 )
 
 
-def demo_replicas(base_port: int, extra_args: list[str]) -> list[ReplicaConfig]:
+def demo_replicas(base_port: int, extra_args: list[str], tool_call_parser: str = "hermes") -> list[ReplicaConfig]:
     """One standard and one fast engine, each pinned to its own core of a 2-core machine."""
-    extra = list(extra_args)
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser] if tool_call_parser else []
+    extra = tools + list(extra_args)
     return [
         ReplicaConfig(
             name="standard-0",

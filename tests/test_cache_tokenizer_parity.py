@@ -180,3 +180,29 @@ def test_segment_cache_gives_the_ids_of_an_uncached_encode() -> None:
             text = tok.render_chat(messages)
             assert tok.encode_chat(messages) == tok.hf.encode(text, add_special_tokens=False).ids
     assert "\n" in tok._segment_cache  # the template's short separators are cached too
+
+
+AGENT_CORPUS = Path(__file__).resolve().parent / "data" / "agent_corpus.jsonl"
+
+
+def _agent_cases() -> list[dict]:
+    import json
+    return [json.loads(line) for line in AGENT_CORPUS.read_text(encoding="utf-8").splitlines() if line]
+
+
+async def test_agent_corpus_matches_engine_tokenize(engine_url: str, model_dir: Path) -> None:
+    """Tools, assistant tool calls (arguments valid, malformed, non-object, empty), tool results as
+    strings and part arrays, the developer role, content-part arrays: the gateway's rendering and
+    tokens equal vLLM's chat `/tokenize` for every request of the committed corpus."""
+    tok = Tokenizer.from_model_dir(model_dir)
+    cases = _agent_cases()
+    assert len(cases) >= 300
+    assert sum("tools" in c and bool(c["tools"]) for c in cases) > 100
+    assert sum(any(m["role"] == "tool" for m in c["messages"]) for c in cases) > 100
+    assert sum(any(m["role"] == "developer" for m in c["messages"]) for c in cases) > 30
+    expected = await _engine_tokens(engine_url, cases)
+    mismatches = [i for i, (case, want) in enumerate(zip(cases, expected))
+                  if tok.encode_chat(case["messages"], case.get("tools")) != want]
+    print(f"\n[parity] agent corpus: {len(cases) - len(mismatches)}/{len(cases)} identical")
+    assert not mismatches, f"{len(mismatches)}/{len(cases)} differ; first: case {mismatches[0]}: " \
+        f"{cases[mismatches[0]]!r}"
