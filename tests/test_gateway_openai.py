@@ -78,8 +78,8 @@ def test_stream_without_include_usage_has_no_usage_chunk(client, stack):
 
 
 def test_completions_unary_and_stream(client, stack):
-    # ignore_eos: the random demo model samples its end-of-sequence token now and then (CI once
-    # got 4 of 6); this test is about usage being passed through, not about when the model stops.
+    # ignore_eos: the random demo model samples its end-of-sequence token now and then; this test
+    # is about usage being passed through, not about when the model stops.
     resp = client.completions.create(model=stack.model, prompt="The capital of France is", max_tokens=6,
                                      extra_body={"ignore_eos": True})
     assert resp.choices[0].text and resp.usage.completion_tokens == 6

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 
+from test_chaos_faults import wait_until
 from test_routing_gateway import names  # noqa: F401  (fixture: replica names unique to the test)
 
 from yieldgate.cache.scorers import rendezvous
@@ -111,7 +112,11 @@ def test_least_loaded_avoids_the_busy_replica(stack, gateway_factory, redis_url,
     busy, where = while_busy(gw, 4)
     other = names[1] if busy == names[0] else names[0]
     assert where == [other] * 4
-    # Idle again: both replicas serve (ties rotate by recent picks).
+    # Idle again: both replicas serve (ties rotate by recent picks). The engines' scraped request
+    # counts lag the stream's end by a scrape interval; until then the busy one still looks loaded.
+    replicas = gw.gateway.fleet.replicas.values()
+    wait_until(lambda: all(r.inflight == 0 and r.num_running + r.num_waiting == 0 for r in replicas), 30,
+               "both replicas idle in the gateway's view")
     assert {served_by(gw.url) for _ in range(4)} == set(names)
 
 
