@@ -12,6 +12,7 @@ import io
 import math
 from datetime import datetime, timezone
 from decimal import Decimal
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
@@ -28,6 +29,9 @@ from .errors import InvalidRequest, NotFound
 from .http import decode_body, json_response
 
 if TYPE_CHECKING:
+    from yieldgate.serving.fleet import Fleet
+
+    from .accounting import Accounting
     from .app import Gateway
 
 _Positive = Annotated[int, Meta(ge=1)]
@@ -98,31 +102,39 @@ def usage_csv(rows: list[UsageRow], group_by: tuple[str, ...]) -> str:
 
 
 def build_admin_router(gw: "Gateway") -> APIRouter:
+    """/admin/*: every route needs the admin credential; each group reads only what it serves."""
     def admin(request: Request) -> None:
         gw.require_admin(request)
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
-    acc = gw.accounting
+    add_fleet_routes(router, gw.fleet, gw.engine_status)
+    add_key_routes(router, gw.accounting)
+    add_report_routes(router, gw.accounting)
+    from .weights import build_weights_admin_routes  # weights imports this module's helpers
+    build_weights_admin_routes(router, gw)
+    return router
 
+
+def add_fleet_routes(router: APIRouter, fleet: "Fleet", engine_status: Callable[[], dict[str, dict]]) -> None:
     @router.get("/fleet")
-    async def fleet() -> dict:
-        engines = gw.engine_status()  # launched engines: supervisor state, restarts, why down
+    async def fleet_state() -> dict:
+        engines = engine_status()  # launched engines: supervisor state, restarts, why down
         return {name: {"tier": r.tier, "url": r.url, "source": r.source, "state": r.state,
                        "healthy": r.healthy, "admitted": r.admitted,
                        "restoring": r.restoring, "note": r.note,
                        "inflight": r.inflight, "weight_version": r.weight_version,
                        "kv_capacity_blocks": r.kv_capacity_blocks, "engine_metrics": r.engine_metrics,
                        **({"engine": engines[name]} if name in engines else {})}
-                for name, r in gw.fleet.replicas.items()}
+                for name, r in fleet.replicas.items()}
 
     @router.get("/discovery")
     async def discovery() -> Response:
         """Per discovered tier: its source, the last lookup's outcome, and whether the fleet is
         running on the last good set because lookups fail."""
-        return json_response({tier: dataclasses.asdict(status) for tier, status in gw.fleet.discovery.status.items()})
+        return json_response({tier: dataclasses.asdict(status) for tier, status in fleet.discovery.status.items()})
 
-    # -- API keys --------------------------------------------------------------------------------
 
+def add_key_routes(router: APIRouter, acc: "Accounting") -> None:
     @router.post("/keys")
     async def create_key(request: Request) -> Response:
         spec: KeyCreate = await decode_body(request, KeyCreate)
@@ -157,8 +169,8 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
             raise NotFound(f"No API key with id {key_id!r}.") from None
         return json_response({"key": key, "revoked": True})
 
-    # -- reports ---------------------------------------------------------------------------------
 
+def add_report_routes(router: APIRouter, acc: "Accounting") -> None:
     async def usage(group_by: str, since: str | None, until: str | None) -> tuple[list[str], list]:
         groups = parse_group_by(group_by, "key_id,team")
         ledger = await acc.flushed_ledger()
@@ -202,10 +214,6 @@ def build_admin_router(gw: "Gateway") -> APIRouter:
         ledger = await acc.flushed_ledger()
         rows = await ledger.success(groups, since=parse_time(since, "since"), until=parse_time(until, "until"))
         return json_response({"group_by": groups, "rows": rows})
-
-    from .weights import build_weights_admin_routes  # weights imports this module's helpers
-    build_weights_admin_routes(router, gw)
-    return router
 
 
 def build_feedback_router(gw: "Gateway", authenticated: Any) -> APIRouter:
