@@ -7,6 +7,7 @@ it. Set YIELDGATE_TEST_GATEWAY=http://host:port to reuse a stack that is already
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import socket
@@ -55,6 +56,14 @@ def fake_upstream_process(*flags: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def record_result(path: Path, doc: dict) -> None:
+    """Write a benchmark result that a test measured, when YIELDGATE_RECORD_RESULTS=1
+    (`benchmarks/run_all.py` sets it): a plain test run leaves benchmarks/results/ as committed."""
+    if os.environ.get("YIELDGATE_RECORD_RESULTS") == "1":
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\n[result] {path}")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import record_result
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("agent_compat", ROOT / "benchmarks" / "agent_compat.py")
@@ -102,7 +103,7 @@ def test_agent_compat_matrix(stack):
                  "command": "scripts/dev test tests/test_agent_compat.py"},
         "cells": cells,
     }
-    agent_compat.RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    record_result(agent_compat.RESULT, result)
     broken = [c for c in cells if c["engine"]["ok"] and not c["gateway"]["ok"]]
     assert not broken, broken
     # Where the engine itself fails (the random model's call), the gateway answers as it does.

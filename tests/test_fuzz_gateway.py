@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
-from conftest import InProcessGateway
+from conftest import InProcessGateway, record_result
 from yieldgate.gateway.config import Config, LimitsConfig
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
@@ -57,17 +57,16 @@ def fuzz_gateway(stack):
 def _write_results() -> None:
     total = sum(TALLY.values())
     print(f"\n[fuzz] {total} cases: {TALLY}; failures: {len(FAILURES)}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=RESULTS.parent).stdout.strip()
-    RESULTS.write_text(json.dumps({
+    record_result(RESULTS, {
         "meta": {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
                  "command": "scripts/dev test -k fuzz (tests/test_fuzz_gateway.py)"},
         "cases_total": total, "by_source": TALLY, "by_status": dict(sorted(STATUSES.items())),
         "failures": FAILURES[:50],
         "checks": ["no 5xx", "every 4xx in its route's shape", "gateway serves valid traffic afterwards"],
-    }, indent=2) + "\n")
+    })
 
 
 # How each kind of stream ends.

@@ -1,0 +1,370 @@
+"""Every benchmark in the configuration its README row names, and the README's results table.
+
+    python benchmarks/run_all.py --table            # print the table from benchmarks/results/
+    python benchmarks/run_all.py --list             # each benchmark, its command and whether it runs here
+    python benchmarks/run_all.py [--only a,b]       # run them (canonical results), then print the table
+    python benchmarks/run_all.py --quick [--only …] # smaller runs written under /tmp/yieldgate-bench
+
+Each row of the table is computed from the canonical result file(s) its benchmark writes, so the
+README's figures are what this printed last. Rows whose figure is a property a test asserts (parity,
+chaos drills) name that test; the figure holds while the suite passes. Benchmarks that need a running
+stack start it themselves (`yieldgate up --config …` on loopback, stopped afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SCRATCH = Path(tempfile.gettempdir()) / "yieldgate-bench"
+PY = sys.executable
+DEMO = ""  # `stack=DEMO`: the demo stack, `yieldgate up` with its default configuration
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def span(values: list[float], fmt: Callable[[float], str]) -> str:
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)}–{fmt(hi)}"
+
+
+def bold(text: str, met: bool) -> str:
+    return text if met else f"**{text}**"
+
+
+@dataclass
+class Benchmark:
+    name: str
+    row: str                                  # the README row's first column
+    goal: str
+    reproduce: str                            # the README's "reproduce" column
+    figure: Callable[[], str]                 # today's figure, read from the result file(s)
+    run: list[str] | None = None              # full run writing the canonical result (argv after python)
+    quick: list[str] | None = None            # smaller run, output under SCRATCH
+    stack: str | None = None                  # config file of the stack the run needs (DEMO: none)
+    files: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def suite(test: str) -> dict:
+    """A result the test suite measures: its test file run with results recorded."""
+    return {"run": ["-m", "pytest", "-p", "no:cacheprovider", "-q", f"tests/{test}"],
+            "env": {"YIELDGATE_RECORD_RESULTS": "1"}}
+
+
+# -- figures ------------------------------------------------------------------------------------
+
+def tokenizer_speed() -> str:
+    d = load("tokenizer_speed")
+    return (f"{d['speedup']:.2f}× ({d['tiktoken_tokens_per_s'] / 1e6:.2f} M vs "
+            f"{d['hf_tokenizers_tokens_per_s'] / 1e6:.2f} M tokens/s)")
+
+
+def routing_real() -> str:
+    rows = load("routing")["real"]
+    ca = [r for r in rows if r["policy"] == "cache_aware"]
+    rr = [r for r in rows if r["policy"] == "round_robin"]
+    lower = [-r["ttft_p90_vs_round_robin"]["diff_ms"] for r in ca]
+    load_ = [r["load_max_over_mean"] for r in ca]
+    met = min(r["ratio_to_oracle"] for r in ca) >= 0.95
+    return (f"cache_aware {bold(span([r['ratio_to_oracle'] for r in ca], pct), met)} vs round robin "
+            f"{span([r['ratio_to_oracle'] for r in rr], pct)}; TTFT p90 "
+            f"{span(lower, lambda v: f'{v:.0f}')} ms lower; max/mean load {span(load_, lambda v: f'{v:.2f}')}")
+
+
+def routing_sim() -> str:
+    sim = load("routing-kv1gib")["sim"]
+    ca = [r["ratio_to_oracle"] for r in sim if r["policy"] == "cache_aware"]
+    rr = [r["ratio_to_oracle"] for r in sim if r["policy"] == "round_robin"]
+    return (f"cache_aware {bold(span(ca, pct), min(ca) >= 0.95)} of oracle vs round robin "
+            f"≈ {100 * sum(rr) / len(rr):.0f}%")
+
+
+def loadtest_vs_vllm() -> str:
+    m = load("loadtest_vs_vllm_bench")["median_of_repeats"]
+    return (f"req/s {m['request_throughput']['ratio']:.2f}×, mean TTFT {m['mean_ttft_ms']['ratio']:.2f}×, "
+            f"mean TPOT {m['mean_tpot_ms']['ratio']:.2f}×")
+
+
+def loadtest_overhead() -> str:
+    d = load("loadtest_overhead")
+    return (f"{d['client_cpu_us_per_request']:.0f} µs CPU per request "
+            f"(≈ {round(d['client_capacity_rps_per_core'], -2):,.0f} req/s per core)")
+
+
+def fast_vs_standard() -> str:
+    w = {k: v["speedup_e2e_output_tps_p50"] for k, v in load("fast_vs_standard")["workloads"].items()}
+    x = lambda v: f"{v:.2f}×"  # noqa: E731
+    greedy = [w[k] for k in ("code_edit_greedy", "code_edit_greedy@c4") if k in w]
+    others = [v for k, v in w.items() if not k.startswith("code_edit_greedy")]
+    return (f"greedy code edits {bold(x(greedy[0]), greedy[0] >= 2)} (conc. 1), "
+            f"{bold(x(greedy[-1]), greedy[-1] >= 2)} (conc. 4); "
+            f"{bold(span(others, x), min(others) >= 1)} where drafts are not accepted")
+
+
+def weight_push() -> str:
+    d = load("weight_push")
+    return (f"wire {pct(d['stage_vs_loopback'], 0)} of loopback TCP; whole push with load "
+            f"{bold(pct(d['push_vs_loopback'], 0), d['push_vs_loopback'] >= 0.8)}; "
+            f"{d['push_speedup_vs_disk']:.2f}× faster than a disk reload")
+
+
+def rollout() -> str:
+    def ratios(name: str) -> tuple[float, float, int, int]:
+        d = load(name)
+        raw = d["raw_transfer_seconds"]
+        return (d["modes"]["rolling"]["time_to_100pct_new_s"] / raw,
+                d["modes"]["all_at_once"]["time_to_100pct_new_s"] / raw,
+                d["failed_load"] + d["failed_probe"], d["requests_load"])
+
+    tiny, big = ratios("rollout"), ratios("rollout-big")
+    f = lambda r: bold(f"{r:.2f}×", r < 2)  # noqa: E731
+    return (f"rolling {f(tiny[0])}, all_at_once {f(tiny[1])} (28 MB model: {f(big[0])} / {f(big[1])}); "
+            f"{tiny[2] + big[2]} failed requests of {tiny[3] + big[3]:,}")
+
+
+def engine_hops() -> str:
+    busy = [p for p in load("engine_hops")["phases"] if p["other_engine_concurrency"] > 0]
+    hop = [p["worker_hop"] for p in busy]
+    return (f"p50 {span([h['p50_ms'] for h in hop], lambda v: f'{v:.1f}')} ms; "
+            f"p90 {span([h['p90_ms'] for h in hop], lambda v: f'{v:.0f}')} ms, "
+            f"max {span([h['max_ms'] / 1000 for h in hop], lambda v: f'{v:.1f}')} s")
+
+
+def gateway_overhead() -> str:
+    d = load("gateway_overhead")
+    t = d["analysis"]["table"]
+    yg, lite = t["yieldgate"]["500rps"], t.get("litellm", {}).get("500rps", {})
+    cpu = yg["gateway_cpu_us_per_request"]
+    vs = f" ({lite['gateway_cpu_us_per_request'] / cpu:.1f}× less than LiteLLM)" if lite.get("gateway_cpu_us_per_request") else ""
+    streams = t["yieldgate"].get("streams_1000", {})
+    p50, p99 = yg["added_p50_ms"], yg["added_p99_ms"]
+    return (f"{cpu:.0f} µs CPU per request{vs}; added p50 {bold(f'+{p50:.2f} ms', p50 <= 1)}, "
+            f"p99 {bold(f'+{p99:.2f} ms', p99 <= 5)} at 500 RPS; "
+            f"{streams.get('requests', 0) // 3:,} concurrent streams, {streams.get('errors', 0)} errors; "
+            f"RSS {d['rss']['growth_pct']:+.1f}% from {d['rss']['requests'][0] // 1000}k to "
+            f"{d['rss']['requests'][-1] // 1000}k requests")
+
+
+def agent_parity() -> str:
+    n = sum(1 for line in (ROOT / "tests" / "data" / "agent_corpus.jsonl").read_text().splitlines() if line.strip())
+    return f"{n}/{n} requests identical to vLLM's `/tokenize` (asserted)"
+
+
+def agent_compat() -> str:
+    cells = load("agent_compat")["cells"]
+    same = sum(1 for c in cells if c["gateway"]["ok"] == c["engine"]["ok"] and c["gateway"]["status"] == c["engine"]["status"])
+    return (f"{bold(f'{same}/{len(cells)}', same == len(cells))} cells answer through the gateway as straight "
+            "to the engine ([table](docs/agents.md#compatibility-matrix))")
+
+
+def fuzz() -> str:
+    d = load("fuzz")
+    fivexx = sum(n for status, n in d["by_status"].items() if status.startswith("5"))
+    return f"{d['cases_total']:,} cases over every route, {bold(f'{fivexx} responses 5xx', fivexx == 0)}"
+
+
+def engine_crash() -> str:
+    d = load("engine_crash")
+    crashes = d["crashes"]
+    back = " / ".join(f"{c['admitted_s']:.0f} s ({c['tier']})" for c in crashes)
+    other = sum(c["served_by_other_tier"] for c in crashes)
+    failed = d["failed"]
+    return (f"{d['requests']:,} requests, {bold(f'{failed} failed', failed == 0)}; the other tier served "
+            f"{other:,} meanwhile, labelled; restarted, weights restored, back in {back}")
+
+
+def asserted(text: str) -> Callable[[], str]:
+    return lambda: text
+
+
+# -- the benchmarks, in README order --------------------------------------------------------------
+
+BENCHMARKS = [
+    Benchmark("tokenizer_parity", "tokenizer parity with vLLM `/tokenize`", "100%",
+              "`scripts/dev test -k tokenizer_parity`",
+              asserted("100% of 1,103 prompts (asserted)")),
+    Benchmark("tokenizer_speed", "tokenizer speed vs HF tokenizers", "≥ 3×",
+              "`python benchmarks/tokenizer_speed.py`", tokenizer_speed,
+              run=["benchmarks/tokenizer_speed.py", "--repeat", "5"],
+              quick=["benchmarks/tokenizer_speed.py", "--repeat", "1", "--out", str(SCRATCH / "tokenizer_speed.json")],
+              files=["tokenizer_speed"]),
+    Benchmark("routing", "routing, 2 real engines: cached tokens / oracle",
+              "≥ 95%; TTFT never worse; ≤ 1.25",
+              "`python benchmarks/routing.py` ([command](docs/benchmarks.md#routing))", routing_real,
+              run=["benchmarks/routing.py", "--no-sim", "--tenants", "6", "--shared-requests", "360",
+                   "--agent-requests", "120", "--rounds", "6", "--cold-phases", "--policies",
+                   "round_robin,cache_aware", "--fast-kv", "ipc://{home}/run/kv-events-standard-1.sock",
+                   "--out", "benchmarks/results/routing"],
+              quick=["benchmarks/routing.py", "--no-sim", "--quick", "--tenants", "6", "--cold-phases",
+                     "--policies", "round_robin,cache_aware", "--fast-kv",
+                     "ipc://{home}/run/kv-events-standard-1.sock", "--out", str(SCRATCH / "routing")],
+              stack="examples/routing-fleet-kv192.toml", files=["routing"]),
+    Benchmark("routing_sim", "routing, simulated 64 replicas", "≥ 95%",
+              "`python benchmarks/routing.py --no-real`", routing_sim,
+              run=["benchmarks/routing.py", "--out", "benchmarks/results/routing-kv1gib"],
+              quick=["benchmarks/routing.py", "--no-real", "--quick", "--out", str(SCRATCH / "routing-sim")],
+              stack="examples/routing-fleet.toml", files=["routing-kv1gib"]),
+    Benchmark("loadtest_vs_vllm_bench", "load tester vs `vllm bench serve`", "within 10%",
+              "`python benchmarks/loadtest_vs_vllm_bench.py`", loadtest_vs_vllm,
+              files=["loadtest_vs_vllm_bench"]),
+    Benchmark("loadtest_overhead", "load tester's own cost", "—",
+              "`python benchmarks/loadtest_overhead.py`", loadtest_overhead,
+              run=["benchmarks/loadtest_overhead.py", "--requests", "20000", "--concurrency", "64"],
+              files=["loadtest_overhead"]),
+    Benchmark("fast_vs_standard", "fast tier vs standard, output tok/s per request", "≥ 2× on code edits",
+              "`python benchmarks/fast_vs_standard.py`", fast_vs_standard,
+              run=["benchmarks/fast_vs_standard.py", "--requests", "12", "--concurrency", "1,4"], stack=DEMO,
+              files=["fast_vs_standard"]),
+    Benchmark("weight_push", "weight push, 386 MB model into one engine", "≥ 80%",
+              "`python benchmarks/weight_push.py`", weight_push,
+              run=["benchmarks/weight_push.py", "--hidden", "1024", "--layers", "8"], files=["weight_push"]),
+    Benchmark("rollout", "weight rollout under load, time to 100% new / raw transfer", "< 2×; 0 failed",
+              "`python benchmarks/rollout.py --up [--big]`", rollout,
+              run=["benchmarks/rollout.py", "--up"], files=["rollout", "rollout-big"]),
+    Benchmark("engine_hops", "engine round trip while the other engine serves", "—",
+              "`python benchmarks/engine_hops.py`", engine_hops, run=["benchmarks/engine_hops.py"],
+              files=["engine_hops"]),
+    Benchmark("gateway_overhead", "gateway overhead, all features on, fake upstream",
+              "≥ 5×; p50 ≤ 1 ms, p99 ≤ 5 ms; 0 errors; < 5%",
+              "`python benchmarks/gateway_overhead.py`", gateway_overhead, run=["benchmarks/gateway_overhead.py"],
+              quick=["benchmarks/gateway_overhead.py", "--quick", "--skip-litellm", "--skip-rss",
+                     "--out", str(SCRATCH / "gateway_overhead")],
+              files=["gateway_overhead"]),
+    Benchmark("agent_corpus", "tokenizer parity with the engine, agent chats (tools, calls, results, developer, part arrays)",
+              "100%", "`scripts/dev test -k agent_corpus`", agent_parity),
+    Benchmark("agent_compat", "agent compatibility (route × stream × tools × tier)", "all",
+              "`scripts/dev test -k agent_compat`", agent_compat, files=["agent_compat"],
+              **suite("test_agent_compat.py")),
+    Benchmark("fuzz", "fuzzing (schemathesis + hypothesis)", "0 5xx", "`scripts/dev test -k fuzz`", fuzz,
+              files=["fuzz"], **suite("test_fuzz_gateway.py")),
+    Benchmark("chaos_faults", "engine SIGKILL under load", "0 failed", "`scripts/dev test -k chaos_faults`",
+              asserted("0 failed requests; every relayed token billed (asserted)")),
+    Benchmark("engine_crash", "engine SIGKILL, one per tier, 4 clients per tier", "0 failed",
+              "`python benchmarks/engine_crash.py`", engine_crash, run=["benchmarks/engine_crash.py"],
+              files=["engine_crash"]),
+    Benchmark("chaos_redis", "Redis stopped 30 s under load", "0 failed, exact", "`scripts/dev test -k chaos_gateway`",
+              asserted("0 failed; the Redis ledger matches the clients' costs exactly (asserted)")),
+    Benchmark("chaos_gateway", "gateway SIGKILLed and restarted", "0 lost", "`scripts/dev test -k chaos_gateway`",
+              asserted("every acknowledged request in the ledger, once (asserted)")),
+]
+
+
+def table() -> str:
+    lines = ["| benchmark | today | goal | reproduce |", "|---|---|---|---|"]
+    for b in BENCHMARKS:
+        try:
+            figure = b.figure()
+        except (OSError, KeyError, ValueError) as exc:  # a missing or older result file
+            figure = f"(no result: {type(exc).__name__} {exc})"
+        lines.append(f"| {b.row} | {figure} | {b.goal} | {b.reproduce} |")
+    return "\n".join(lines)
+
+
+# -- running --------------------------------------------------------------------------------------
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@contextmanager
+def stack(config: str) -> Iterator[Path]:
+    """`yieldgate up --config` in a home of its own until its gateway is ready; stopped afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="yieldgate-bench-home-"))
+    server = tomllib.loads((ROOT / config).read_text()).get("server", {}) if config else {}
+    ready = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 8000)}/readyz"
+    env = dict(os.environ, YIELDGATE_HOME=str(home))
+    proc = subprocess.Popen([PY, "-m", "yieldgate.gateway.cli", "up", *(["--config", str(ROOT / config)] if config else [])],
+                            cwd=ROOT, env=env, stdout=open(home / "up.log", "wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        started = time.monotonic()
+        while not http_ok(ready):
+            if proc.poll() is not None or time.monotonic() - started > 900:
+                raise SystemExit(f"stack {config} did not get ready; see {home / 'up.log'}")
+            print(f"  … waiting for {config} ({time.monotonic() - started:.0f} s)", flush=True)
+            time.sleep(10)
+        yield home
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run(benchmarks: list[Benchmark], quick: bool) -> list[tuple[str, str, float]]:
+    outcomes = []
+    for i, b in enumerate(benchmarks, 1):
+        argv = b.quick if quick else b.run
+        print(f"[{i}/{len(benchmarks)}] {b.name}: {' '.join(argv) if argv else 'not run by this script'}", flush=True)
+        if argv is None:
+            outcomes.append((b.name, "skipped", 0.0))
+            continue
+        started = time.monotonic()
+        env = {**os.environ, **b.env}
+        if b.stack is not None:
+            with stack(b.stack) as home:
+                rc = subprocess.call([PY, *(a.format(home=home) for a in argv)], cwd=ROOT, env=env)
+        else:
+            rc = subprocess.call([PY, *argv], cwd=ROOT, env=env)
+        outcomes.append((b.name, "ok" if rc == 0 else f"exit {rc}", time.monotonic() - started))
+    return outcomes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", action="store_true", help="only print the results table")
+    ap.add_argument("--list", action="store_true", help="list the benchmarks and their commands")
+    ap.add_argument("--quick", action="store_true", help="smaller runs, written under " + str(SCRATCH))
+    ap.add_argument("--only", default="", help="comma-separated benchmark names")
+    args = ap.parse_args()
+    chosen = BENCHMARKS
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {b.name for b in BENCHMARKS}
+        if unknown:
+            raise SystemExit(f"unknown benchmarks {sorted(unknown)}; see --list")
+        chosen = [b for b in BENCHMARKS if b.name in names]
+    if args.list:
+        for b in chosen:
+            cmd = " ".join(b.run) if b.run else f"see {b.reproduce}"
+            up = "" if b.stack is None else f"yieldgate up {'-c ' + b.stack if b.stack else ''}; "
+            print(f"{b.name:24} {up}{cmd}")
+        return
+    if not args.table:
+        SCRATCH.mkdir(parents=True, exist_ok=True)
+        for name, outcome, seconds in run(chosen, args.quick):
+            print(f"  {name:24} {outcome:10} {seconds:7.0f} s")
+        if args.quick:
+            print(f"quick results are in {SCRATCH}; the table below reads the canonical ones")
+    print(table())
+
+
+if __name__ == "__main__":
+    main()
