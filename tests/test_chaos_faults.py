@@ -134,7 +134,8 @@ def gateway_config(stack, *urls: tuple[str, str], **limits) -> Config:
 def test_client_disconnect_aborts_the_engine_request(stack, chaos_engine, gateway_factory):
     gw = gateway_factory(gateway_config(stack, ("chaos-0", chaos_engine.url)))
     # On a loaded machine the engine can generate every token before the client's third event, or
-    # between the client leaving and the abort reaching the engine core: such an attempt cannot show an abort, so the client tries again (3 tries).
+    # between the client leaving and the abort reaching the engine core: such an attempt cannot show
+    # an abort, so the client tries again (3 tries).
     # A gateway that does not pass the client's leaving on lets every try run to the end.
     max_tokens = 3500
     for attempt in range(3):
