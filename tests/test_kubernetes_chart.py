@@ -171,14 +171,14 @@ def tolerate(what: str) -> str:
     return what
 
 
-def load_gateway_config(case: Rendered, tmp_path: Path):
-    """The rendered yieldgate.toml + the pod's YIELDGATE_* env, through yieldgate's own loader."""
+def pod_config(case: Rendered) -> tuple[str, dict[str, str], set[str]]:
+    """The gateway pod's yieldgate.toml and YIELDGATE_* environment, less the keys of features
+    still pending on this branch (named in the returned set, and printed once)."""
     import tomllib
 
-    from yieldgate.gateway.config import ServerConfig, load_config
+    from yieldgate.gateway.config import ServerConfig
     from yieldgate.serving.config import DISCOVERY_KINDS
 
-    rendered = tomllib.loads(gateway_toml(case))
     raw = tomllib.loads(gateway_toml(case))
     env = gateway_env(case)
     tolerated = set()
@@ -194,9 +194,19 @@ def load_gateway_config(case: Rendered, tmp_path: Path):
             assert set(d) == {"kind", "namespace", "label_selector", "port"}, d
             tolerated.add(tolerate(f"fleet.tiers.{tier}.discovery kind = kubernetes"))
             del t["discovery"]
+    return (gateway_toml(case) if not tolerated else tomllib_dump(raw)), env, tolerated
+
+
+def load_gateway_config(case: Rendered, tmp_path: Path):
+    """The rendered yieldgate.toml + the pod's YIELDGATE_* env, through yieldgate's own loader."""
+    import tomllib
+
+    from yieldgate.gateway.config import load_config
+
+    text, env, tolerated = pod_config(case)
     path = tmp_path / "yieldgate.toml"
-    path.write_text(tomllib_dump(raw))
-    return rendered, load_config(path, env=env), tolerated
+    path.write_text(text)
+    return tomllib.loads(gateway_toml(case)), load_config(path, env=env), tolerated
 
 
 def tomllib_dump(raw: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,9 @@ from needs import missing
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "localhost/yieldgate-gateway:test"
 PODMAN = ["podman", "--runtime", "runc"]
+# podman's default rlimits exceed this host's hard limits (see deploy/images/build-offline.sh).
+ULIMITS = ["--ulimit", "nofile={0}:{0}".format(resource.getrlimit(resource.RLIMIT_NOFILE)[1]),
+           "--ulimit", "nproc=4096:4096"]
 OPT_IN = "YIELDGATE_TEST_IMAGE_BUILD"
 
 pytestmark = pytest.mark.skipif(
@@ -58,7 +62,7 @@ def test_image_runs_as_non_root_with_no_secret_and_no_vllm(image):
     env = dict(e.split("=", 1) for e in config["Env"])
     assert not [k for k in env if k.startswith("YIELDGATE_") and k != "YIELDGATE_HOME"], env
     assert env["PYTHONHASHSEED"] == "0"
-    probe = podman("run", "--rm", "--network=none", "--entrypoint", "python3", image, "-c",
+    probe = podman("run", "--rm", "--network=none", *ULIMITS, "--entrypoint", "python3", image, "-c",
                    "import os, importlib.util as u; print(os.getuid(), u.find_spec('vllm') is None, "
                    "u.find_spec('yieldgate.gateway') is not None)")
     assert probe.stdout.split() == ["10001", "True", "True"], probe.stderr
@@ -74,15 +78,26 @@ def test_image_serves_the_charts_config(image, tmp_path):
     helm = chart.helm_binary()
     objects = chart.render(helm, "-f", str(chart.CHART / "ci" / "cpu-demo-values.yaml"))
     case = chart.Rendered(chart.CHART / "ci" / "cpu-demo-values.yaml", {}, objects)
+    text, pod_env, _ = chart.pod_config(case)  # less the keys still pending on this branch
     (tmp_path / "etc").mkdir()
-    (tmp_path / "etc" / "yieldgate.toml").write_text(chart.gateway_toml(case))
+    (tmp_path / "etc" / "yieldgate.toml").write_text(text)
     # No nameserver reachable: discovery fails (and keeps an empty fleet) without a packet leaving.
     (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.1\n")
-    env = [a for name, value in chart.gateway_env(case).items() for a in ("-e", f"{name}={value}")]
+    env = [a for name, value in pod_env.items() for a in ("-e", f"{name}={value}")]
+    from yieldgate.serving.demo_model import ensure_demo_model
+
+    # What the chart's init container writes to /models/demo (there as uid 10001; here a copy
+    # the container's uid can read).
+    model = Path(shutil.copytree(ensure_demo_model(), tmp_path / "demo"))
+    for path in [model, *model.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    data = tmp_path / "data"  # the pod's emptyDir, writable by its uid (fsGroup)
+    data.mkdir()
+    os.chown(data, 10001, 10001)
     name = f"yieldgate-image-test-{os.getpid()}"
-    run = podman("run", "-d", "--name", name, "--network=none", "--read-only",
-                 "--tmpfs", "/tmp", "--tmpfs", "/var/lib/yieldgate:uid=10001,gid=10001",
-                 "-v", f"{tmp_path / 'etc'}:/etc/yieldgate:ro", "-v", f"{tmp_path / 'resolv.conf'}:/etc/resolv.conf:ro",
+    run = podman("run", "-d", "--name", name, "--network=none", "--read-only", *ULIMITS,
+                 "--tmpfs", "/tmp", "-v", f"{data}:/var/lib/yieldgate",
+                 "-v", f"{tmp_path / 'etc'}:/etc/yieldgate:ro", "-v", f"{tmp_path / 'resolv.conf'}:/etc/resolv.conf:ro", "-v", f"{model}:/models/demo:ro",
                  *env, image)
     assert run.returncode == 0, run.stderr
     try:
@@ -98,5 +113,7 @@ def test_image_serves_the_charts_config(image, tmp_path):
             time.sleep(1)
         assert got is not None and got.returncode == 0, podman("logs", name).stdout + podman("logs", name).stderr
         assert got.stdout.split() == ["/healthz", "200", "/readyz", "503"], got.stdout
+        logs = podman("logs", name)
+        assert "no tokenizer" not in logs.stdout + logs.stderr  # it read the mounted model's tokenizer
     finally:
         podman("rm", "-f", name)
