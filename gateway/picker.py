@@ -16,7 +16,6 @@ the admin API, dashboard and weight rollouts, which stay with `yieldgate gateway
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -390,9 +389,9 @@ def _continue(which: str | None) -> pb.ProcessingResponse:
                                     else pb.BodyResponse()}) if which else pb.ProcessingResponse()
 
 
-async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
-    """Run the picker until cancelled: the fleet's health checks, the routing state, the ledger,
-    and the ext_proc service with gRPC health (`grpc.health.v1`, as the protocol asks)."""
+async def start(config: Config) -> tuple[Picker, grpc.aio.Server]:
+    """The picker started (fleet health checks, routing state, ledger) behind its gRPC server:
+    the ext_proc service and gRPC health (`grpc.health.v1`, as the protocol asks)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
 
     picker = Picker(config)
@@ -402,19 +401,31 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.picker.host}:{config.picker.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
+    try:
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"cannot listen on {address}")
+    except BaseException:
+        await picker.close()
+        raise
     await server.start()
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.warning("endpoint picker listening on %s", address)
-    if ready is not None:
-        ready.set()
+    return picker, server
+
+
+async def stop(picker: Picker, server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    await server.stop(grace_s)
+    await picker.close()
+
+
+async def serve(config: Config) -> None:
+    """`yieldgate picker`: run until interrupted."""
+    picker, server = await start(config)
+    log.warning("endpoint picker listening on %s:%d", config.picker.host, config.picker.port)
     try:
         await server.wait_for_termination()
     finally:
-        await server.stop(5)
-        await picker.close()
+        await stop(picker, server)
 
 
 def envoy_config(listen: tuple[str, int], picker: tuple[str, int], admin: tuple[str, int],
