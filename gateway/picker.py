@@ -253,8 +253,7 @@ class Picker:
                                              if isinstance(typed, ChatShaped) else intake.raw)
             payload = upstream_payload(intake, body)
             if typed.stream:
-                lease = self.streams.acquire(stream_owner(ctx.key, headers.get(b"x-forwarded-for", b"").decode()
-                                                          or None))
+                lease = self.streams.acquire(stream_owner(ctx.key, _client_address(headers)))
             endpoint = self._route(ctx, await self._candidates(ctx))
         except BaseException:
             if lease is not None:
@@ -280,6 +279,12 @@ class Picker:
         name = self.config.fleet.model
         ids = [name, f"{name}:fast"] if self.fleet.in_tier("fast") else [name]
         return _encode(ModelList(data=[ModelCard(id=i) for i in ids]))
+
+
+def _client_address(headers: dict[bytes, bytes]) -> str | None:
+    """The client's address: the hop Envoy appended to x-forwarded-for (`use_remote_address`)."""
+    forwarded = headers.get(b"x-forwarded-for")
+    return forwarded.rsplit(b",", 1)[-1].strip().decode("latin-1") if forwarded else None
 
 
 def _host_port(url: str) -> str:
@@ -452,6 +457,9 @@ def envoy_config(listen: tuple[str, int], picker: tuple[str, int], admin: tuple[
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "inference",
+        # x-forwarded-for ends with the client's own address: what an anonymous client's
+        # concurrent-stream limit counts against, as the gateway counts its peer address.
+        "use_remote_address": True,
         "route_config": {"virtual_hosts": [{
             "name": "inference", "domains": ["*"],
             "routes": [{"match": {"prefix": "/"},
