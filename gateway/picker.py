@@ -369,11 +369,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 exchange.end("aborted")  # no-op unless the client or Envoy left before the end
 
     async def _pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> pb.ProcessingResponse:
+        """A POST without a body: refused, by authentication or by validation (400)."""
         try:
             exchange, _ = await self.picker.pick(kind, headers, body)
         except APIError as exc:
             return _refusal(APIS[kind], exc)
-        exchange.end("error")  # unreachable in practice: an empty body is refused above
+        exchange.end("error")  # validation refuses an empty body; never routed without one
         return _refusal(APIS[kind], InternalError("Request has no body."))
 
     def _not_inference(self, headers: dict[bytes, bytes], path: str) -> pb.ProcessingResponse:
@@ -386,12 +387,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
 
 def _continue(which: str | None) -> pb.ProcessingResponse:
-    if which == "request_trailers":
-        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-    if which == "response_trailers":
-        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
-    return pb.ProcessingResponse(**{which: pb.HeadersResponse() if "headers" in (which or "")
-                                    else pb.BodyResponse()}) if which else pb.ProcessingResponse()
+    """Let a message the filter config does not ask for (trailers) pass unchanged."""
+    if which in ("request_trailers", "response_trailers"):
+        return pb.ProcessingResponse(**{which: pb.TrailersResponse()})
+    if which in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{which: pb.HeadersResponse()})
+    return pb.ProcessingResponse(**{which: pb.BodyResponse()}) if which else pb.ProcessingResponse()
 
 
 async def start(config: Config) -> tuple[Picker, grpc.aio.Server]:

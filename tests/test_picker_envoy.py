@@ -300,3 +300,9 @@ def test_no_healthy_endpoint_gets_an_openai_503_through_envoy(stack, redis_url, 
     # Bad input is the route's own 400, never an Envoy or picker 5xx.
     resp = httpx.post(mesh.url + "/v1/chat/completions", content=b"{not json", timeout=30)
     assert (resp.status_code, resp.json()["error"]["code"]) == (400, "invalid_json")
+    resp = httpx.post(mesh.url + "/v1/chat/completions", timeout=30)  # no body at all
+    assert (resp.status_code, resp.json()["error"]["type"]) == (400, "invalid_request_error")
+    # The picker answers the model list itself; other paths are no inference route of its.
+    assert [m["id"] for m in httpx.get(mesh.url + "/v1/models", timeout=30).json()["data"]] == ["demo"]
+    resp = httpx.get(mesh.url + "/admin/fleet", timeout=30)
+    assert (resp.status_code, resp.json()["error"]["code"]) == (404, "not_found")
