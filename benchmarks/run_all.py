@@ -167,6 +167,17 @@ def gateway_overhead() -> str:
             f"{d['rss']['requests'][-1] // 1000}k requests")
 
 
+def picker_overhead() -> str:
+    a = load("picker_overhead")["added"]
+    g, p = a["gateway"], a["picker"]
+    failed = sum(m[f"{k}_failed"] for m in (g, p) for k in ("unary", "streams"))
+    return (f"CPU per request {p['unary_cpu_us_per_request'] / 1000:.1f} vs {g['unary_cpu_us_per_request'] / 1000:.1f} ms "
+            f"({p['unary_cpu_us_per_request'] / g['unary_cpu_us_per_request']:.1f}×); added p50 "
+            f"+{p['unary_added_ms_p50']:.1f} vs +{g['unary_added_ms_p50']:.1f} ms, p99 +{p['unary_added_ms_p99']:.0f} vs "
+            f"+{g['unary_added_ms_p99']:.0f} ms; streams +{p['streams_added_ms_p50']:.1f} vs "
+            f"+{g['streams_added_ms_p50']:.1f} ms; {failed} failed ([picker.md](docs/picker.md))")
+
+
 def agent_parity() -> str:
     n = sum(1 for line in (ROOT / "tests" / "data" / "agent_corpus.jsonl").read_text().splitlines() if line.strip())
     return f"{n}/{n} requests identical to vLLM's `/tokenize` (asserted)"
@@ -252,6 +263,11 @@ BENCHMARKS = [
               quick=["benchmarks/gateway_overhead.py", "--quick", "--skip-litellm", "--skip-rss",
                      "--out", str(SCRATCH / "gateway_overhead")],
               files=["gateway_overhead"]),
+    Benchmark("picker_overhead", "endpoint picker: Envoy + `yieldgate picker` vs the gateway proxying, fake upstream, 100 RPS",
+              "—", "`python benchmarks/picker_overhead.py`", picker_overhead,
+              run=["benchmarks/picker_overhead.py"],
+              quick=["benchmarks/picker_overhead.py", "--quick", "--out", str(SCRATCH / "picker_overhead.json")],
+              files=["picker_overhead"]),
     Benchmark("agent_corpus", "tokenizer parity with the engine, agent chats (tools, calls, results, developer, part arrays)",
               "100%", "`scripts/dev test -k agent_corpus`", agent_parity),
     Benchmark("agent_compat", "agent compatibility (route × stream × tools × tier)", "all",

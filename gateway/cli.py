@@ -73,6 +73,16 @@ def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
 
 
 @app.command()
+def picker(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file.")) -> None:
+    """Run the endpoint picker for an Envoy ext_proc filter ([picker] host/port; docs/picker.md)."""
+    import asyncio
+
+    from .picker import serve
+
+    asyncio.run(serve(_load(config)))
+
+
+@app.command()
 def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
     model: Optional[Path] = typer.Option(None, help="HF model directory to serve instead of the demo model."),

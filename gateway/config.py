@@ -61,11 +61,19 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
     weight_swap_hold_s: float = 60.0
 
 
+class PickerConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """`yieldgate picker`: the endpoint picker an Envoy's ext_proc filter calls (docs/picker.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 9002                   # the Gateway API Inference Extension's usual EPP port
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
+    picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
 
 
 class ConfigError(ValueError):

@@ -12,9 +12,7 @@ as they arrive; only the final usage event is decoded and rewritten (cost, tier,
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -33,15 +31,14 @@ from .accounting import Accounting
 from .affinity import ResponseAffinity
 from .apis import APIS, Api
 from .context import RequestContext, Usage
+from .intake import open_request, parse_request, upstream_payload
 from .config import Config
-from .errors import (InvalidRequest, ModelNotFound, PayloadTooLarge, PreviousResponseNotFound,
-                     ServiceUnavailable, UpstreamError, param_from_msgspec)
+from .errors import PayloadTooLarge, PreviousResponseNotFound, ServiceUnavailable, UpstreamError
 from .limits import StreamLimiter, stream_owner
-from .responses import JSONReply
+from .responses import JSONReply, yieldgate_headers
 from .routing import Routing
 from .schemas import ChatShaped
 from .sse import EVENT_END, EventSplitter, events
-from .tiers import resolve_tier
 
 log = logging.getLogger("yieldgate.proxy")
 
@@ -94,40 +91,7 @@ class Proxy:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def parse(self, kind: str, body: bytes) -> tuple[dict[str, Any], Any]:
-        if not body:
-            raise InvalidRequest("Request body is empty; expected a JSON object.")
-        try:
-            raw = _decode(body)
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-        except RecursionError:  # msgspec refuses nesting deeper than ~1000 levels
-            raise InvalidRequest("Request body is nested too deeply.", code="invalid_json") from None
-        if not isinstance(raw, dict):
-            raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
-        try:
-            typed = msgspec.convert(raw, APIS[kind].request)
-        except msgspec.ValidationError as exc:
-            message = str(exc)
-            raise InvalidRequest(message, param=param_from_msgspec(message), code="invalid_value") from None
-        limits = self.config.limits
-        if kind != "completions":
-            items, name = (typed.input, "input") if kind == "responses" else (typed.messages, "messages")
-            if not isinstance(items, str) and len(items) > limits.max_messages:
-                raise InvalidRequest(f"Too many {name}: at most {limits.max_messages}.", param=name)
-        if (typed.output_limit or 0) > limits.max_tokens:
-            param = "max_output_tokens" if kind == "responses" else "max_tokens"
-            raise InvalidRequest(f"{param} must be at most {limits.max_tokens}.", param=param,
-                                 code="invalid_value")
-        if kind == "completions" and not typed.prompt:
-            raise InvalidRequest("prompt must not be empty.", param="prompt")
-        if kind == "responses":
-            if not typed.input:
-                raise InvalidRequest("input must not be empty.", param="input")
-            if typed.background:
-                # A background response is answered before it is generated: nothing would bill it.
-                raise InvalidRequest("background responses are not served by this gateway; stream "
-                                     "instead.", param="background", code="unsupported_value")
-        return raw, typed
+        return parse_request(kind, body, self.config.limits)
 
     # -- the request path ------------------------------------------------------------------------
 
@@ -138,17 +102,8 @@ class Proxy:
         # would scan and decode the whole list again for every lookup.
         headers = dict(scope["headers"])
         body = await self.read_body(receive, headers)
-        raw, typed = self.parse(kind, body)
-        model, tier = resolve_tier(typed.model, typed.requested_service_tier)
-        if model != self.fleet.config.model:
-            raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
-        ctx = RequestContext(
-            request_id=_request_id(headers),
-            kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
-            session_id=_header(headers, b"x-session-id") or typed.user or "",
-            key=key,
-            max_tokens=typed.output_limit, typed=typed,
-        )
+        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started)
+        raw, typed, ctx = intake.raw, intake.typed, intake.ctx
         api = APIS[kind]
         if kind == "count_tokens":
             return await self._count_tokens(ctx, api, body)
@@ -160,17 +115,7 @@ class Proxy:
         ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
                                          if isinstance(typed, ChatShaped) else raw)
         want_usage = typed.shows_usage
-        if model == typed.model and want_usage:
-            payload = body  # nothing to change: forward the client's bytes as they came
-        else:
-            raw["model"] = model
-            if typed.stream and not want_usage:
-                # Always ask the engine for usage: every streamed token is billed, even if the
-                # client did not ask to see the usage event.
-                options = raw.get("stream_options") or {}
-                options["include_usage"] = True
-                raw["stream_options"] = options
-            payload = _encode(raw)
+        payload = upstream_payload(intake, body)
         try:
             if typed.stream:
                 client = scope.get("client")
@@ -219,7 +164,7 @@ class Proxy:
             resp.release()
         if resp.status != 200:
             return api.upstream_error(resp.status, data)
-        return JSONReply(data, self._headers(ctx))
+        return JSONReply(data, yieldgate_headers(ctx))
 
     async def _open(self, ctx: RequestContext, typed: Any, payload: bytes,
                     failed: set[str] | None = None) -> tuple[Replica, UpstreamResponse]:
@@ -237,7 +182,7 @@ class Proxy:
                         "failed.", param="previous_response_id")
                 candidates = [ctx.pinned]
             else:
-                candidates = await self._candidates(ctx, failed)
+                candidates = await self.routing.candidates(ctx, failed, self._failover)
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
@@ -262,34 +207,10 @@ class Proxy:
                             type(exc).__name__, exc)
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
-        fallback = self.config.fleet.tier(ctx.tier).fallback
-        raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'"
-                                 + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
-                                 headers={"retry-after": "1"})
+        raise self.routing.no_replica(ctx)
 
-    async def _candidates(self, ctx: RequestContext, failed: set[str]) -> list[Replica]:
-        """The replicas this try may go to: the tier's routable ones that have not failed this
-        request, else its fallback tier's, else (a last try) any routable one of the tier."""
-        routable = self.fleet.candidates(ctx.tier)
-        if not routable:
-            if not await self.fleet.wait_released(self.config.limits.weight_swap_hold_s):
-                raise ServiceUnavailable(
-                    f"Every replica of tier '{ctx.tier}' is swapping to new weights; the request "
-                    f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
-                    code="weight_swap_in_progress", headers={"retry-after": "1"})
-            routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
-        candidates = [r for r in routable if r.name not in failed]
-        if not candidates:
-            # None of the tier's replicas can take it (down, or failed this request): its
-            # fallback tier serves it, priced and labelled as that tier.
-            served_by, spare = self.fleet.fallback(ctx.tier)
-            candidates = [r for r in spare if r.name not in failed]
-            if candidates:
-                ctx.serve_from(served_by)
-                self.accounting.metrics.failovers.labels(ctx.requested_tier, served_by).inc()
-            else:
-                candidates = routable
-        return candidates
+    def _failover(self, requested: str, served_by: str) -> None:
+        self.accounting.metrics.failovers.labels(requested, served_by).inc()
 
     def _endpoint(self, replica: Replica, kind: str) -> Endpoint:
         """The upstream URL, parsed once per replica and path."""
@@ -329,7 +250,7 @@ class Proxy:
         extra = self.accounting.finish(ctx, usage, "ok")
         api.decorate(answer, ctx, usage, extra)
         await self._remember(ctx, answer)
-        return JSONReply(_encode(answer), self._headers(ctx))
+        return JSONReply(_encode(answer), yieldgate_headers(ctx))
 
     async def _remember(self, ctx: RequestContext, response: Any) -> None:
         """A Responses answer the engine stored: where follow-ups naming it must go."""
@@ -371,7 +292,7 @@ class Proxy:
 
         response = _RelayResponse(self._relay(ctx, api, replica, resp, want_usage, end), end,
                                   media_type="text/event-stream")
-        response.raw_headers += self._headers(ctx)
+        response.raw_headers += yieldgate_headers(ctx)
         response.raw_headers += _STREAM_HEADERS
         return response
 
@@ -442,23 +363,6 @@ class Proxy:
         api.decorate_final(chunk, ctx, usage, extra)
         return usage, event[:at] + _encode(chunk) + EVENT_END
 
-    def _headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
-        """The x-yieldgate-* response headers, as the raw ASGI list."""
-        headers = [
-            (b"x-request-id", ctx.request_id.encode("latin-1")),
-            (b"x-yieldgate-tier", ctx.tier.encode("latin-1")),
-            (b"x-yieldgate-replica", ctx.replica_name.encode("latin-1")),
-            (b"x-yieldgate-weight-version", ctx.weight_version.encode("latin-1")),
-            (b"x-yieldgate-predicted-cached-tokens", b"%d" % ctx.predicted_cached_tokens),
-        ]
-        if ctx.requested_tier:
-            headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))
-        if ctx.cost_header:
-            headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
-        if ctx.reservation is not None and ctx.reservation.over_soft_budget:
-            headers.append((b"x-yieldgate-budget", b"soft-exceeded"))
-        return headers
-
 
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
@@ -475,28 +379,3 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._end("aborted", None)
-
-
-# Request ids: a random prefix per process and a counter (the ledger keys records by request id,
-# so ids must not repeat across processes or restarts; a syscall per request is not needed for that).
-_ID_PREFIX = f"req-{os.urandom(10).hex()}"
-_ids = itertools.count()
-
-
-def _new_id_prefix() -> None:  # a forked worker gets a prefix of its own
-    global _ID_PREFIX
-    _ID_PREFIX = f"req-{os.urandom(10).hex()}"
-
-
-os.register_at_fork(after_in_child=_new_id_prefix)
-
-
-def _request_id(headers: dict[bytes, bytes]) -> str:
-    """The client's x-request-id if it is printable (it is forwarded upstream as a header line)."""
-    given = _header(headers, b"x-request-id")
-    return given if given and given.isprintable() else f"{_ID_PREFIX}{next(_ids):012x}"
-
-
-def _header(headers: dict[bytes, bytes], name: bytes) -> str:
-    value = headers.get(name)
-    return value.decode("latin-1") if value else ""

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 from starlette.responses import Response
 
+from .context import RequestContext
+
 _JSON = (b"content-type", b"application/json")
 
 
@@ -26,3 +28,21 @@ class JSONReply(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+def yieldgate_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+    """The x-yieldgate-* response headers of a request, as a raw header list."""
+    headers = [
+        (b"x-request-id", ctx.request_id.encode("latin-1")),
+        (b"x-yieldgate-tier", ctx.tier.encode("latin-1")),
+        (b"x-yieldgate-replica", ctx.replica_name.encode("latin-1")),
+        (b"x-yieldgate-weight-version", ctx.weight_version.encode("latin-1")),
+        (b"x-yieldgate-predicted-cached-tokens", b"%d" % ctx.predicted_cached_tokens),
+    ]
+    if ctx.requested_tier:
+        headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))
+    if ctx.cost_header:
+        headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
+    if ctx.reservation is not None and ctx.reservation.over_soft_budget:
+        headers.append((b"x-yieldgate-budget", b"soft-exceeded"))
+    return headers

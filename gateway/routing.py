@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import redis.asyncio as aioredis
 
@@ -21,6 +21,7 @@ from yieldgate.serving.fleet import Fleet, Replica
 
 from .context import RequestContext
 from .config import Config
+from .errors import ServiceUnavailable
 
 log = logging.getLogger("yieldgate.routing")
 
@@ -132,6 +133,40 @@ class Routing:
         except Exception as exc:  # the engine validates the request; routing just loses its hint
             log.debug("could not tokenize for routing: %s", type(exc).__name__)
         return None
+
+    async def candidates(self, ctx: RequestContext, failed: set[str],
+                         on_failover: Callable[[str, str], None]) -> list[Replica]:
+        """The replicas a try may go to: the tier's routable ones that have not failed this
+        request, else its fallback tier's (`on_failover(requested, served_by)` is told), else (a
+        last try) any routable one of the tier. Empty: nothing can serve it."""
+        routable = self.fleet.candidates(ctx.tier)
+        if not routable:
+            hold_s = self.config.limits.weight_swap_hold_s
+            if not await self.fleet.wait_released(hold_s):
+                raise ServiceUnavailable(
+                    f"Every replica of tier '{ctx.tier}' is swapping to new weights; the request "
+                    f"waited {hold_s:g} s. Retry shortly.",
+                    code="weight_swap_in_progress", headers={"retry-after": "1"})
+            routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
+        candidates = [r for r in routable if r.name not in failed]
+        if not candidates:
+            # None of the tier's replicas can take it (down, or failed this request): its
+            # fallback tier serves it, priced and labelled as that tier.
+            served_by, spare = self.fleet.fallback(ctx.tier)
+            candidates = [r for r in spare if r.name not in failed]
+            if candidates:
+                ctx.serve_from(served_by)
+                on_failover(ctx.requested_tier, served_by)
+            else:
+                candidates = routable
+        return candidates
+
+    def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
+        """The 503 for a request that nothing in its tier or fallback tier can serve."""
+        fallback = self.config.fleet.tier(ctx.tier).fallback
+        return ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'"
+                                  + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
+                                  headers={"retry-after": "1"})
 
     def pick(self, ctx: RequestContext, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
         return self.routers[ctx.tier].pick(request, candidates)
