@@ -15,9 +15,10 @@ import asyncio
 
 from aiohttp import web
 
-from yieldgate.gateway.weights import RolloutFleet, RolloutState
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 from yieldgate.serving.fleet import Fleet
+from yieldgate.trainer_bridge.replica_fleet import ReplicaFleet
+from yieldgate.trainer_bridge.schemas import RolloutState
 
 
 class HeldEngine:
@@ -72,7 +73,7 @@ def test_a_probe_read_from_before_a_swap_does_not_relabel_the_swapped_replica():
             # Meanwhile the rollout swaps the replica, verifies "wr-1" on it, labels and admits it.
             state = RolloutState(id="ro_test", kind="rollout", version="wr-1", source="push",
                                  mode="rolling", tiers=["standard"])
-            rollout_fleet = RolloutFleet([replica], state, fleet)
+            rollout_fleet = ReplicaFleet([replica], state, fleet)
             await rollout_fleet.set_routable(url, False)
             rollout_fleet.verified[url] = "wr-1"
             await rollout_fleet.set_routable(url, True)

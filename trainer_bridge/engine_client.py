@@ -1,32 +1,20 @@
-"""HTTP client for one vLLM engine's control plane (dev-mode endpoints, VLLM_SERVER_DEV_MODE=1).
-
-Implements vLLM's `VLLMWeightSyncClient` protocol (the four weight-sync calls) plus the
-operational endpoints a rollout needs: pause/resume, prefix-cache reset, version, reload.
+"""The trainer's synchronous client for one engine: vLLM's `VLLMWeightSyncClient` protocol (the
+four weight-sync calls, which block while the engine pulls a stream) plus version, reload and
+probes, for `push()` and scripts. Rollouts drive engines with the async
+`serving.engine_control.EngineControl`; both read engine errors and probes the same way.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-import ssl
 from typing import Any, Literal
 
 import httpx
 import torch
 
+from yieldgate.serving.engine_control import backend_in, dtype_in, is_refusal, tls_context
 from yieldgate.trainer_bridge.errors import EngineRequestError, PushRefused
 
-# Substrings of the engine's error text that mean "token refused", not "transport broke".
-_REFUSAL_MARKERS = ("push token", "not armed", "already armed")
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """One TLS context for every engine client. httpx otherwise builds a fresh one (loading the
-    CA bundle) per client: ~90 ms of CPU each on a busy 2-core box, and a rollout makes dozens."""
-    import certifi
-
-    return ssl.create_default_context(cafile=certifi.where())
+__all__ = ["EngineClient", "tls_context"]
 
 
 class EngineClient:
@@ -46,7 +34,7 @@ class EngineClient:
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         resp = self._http.request(method, path, **kwargs)
         if resp.status_code >= 400:
-            if any(m in resp.text for m in _REFUSAL_MARKERS):
+            if is_refusal(resp.text):
                 raise PushRefused(f"{self.base_url}{path}: {resp.text[:300]}")
             raise EngineRequestError(self.base_url + path, resp.status_code, resp.text)
         return resp
@@ -118,8 +106,7 @@ class EngineClient:
             resp = self._http.post("/init_weight_transfer_engine", json={"init_info": {}}, timeout=30.0)
         except httpx.HTTPError:
             return None
-        match = re.search(r"Invalid init_info for (\w+?)WeightTransferEngine", resp.text)
-        return match.group(1).lower() if match else None
+        return backend_in(resp.text)
 
     def model_dtype(self) -> torch.dtype | None:
         """The dtype the engine serves in (vLLM on CPU defaults fp32 checkpoints to bf16)."""
@@ -127,6 +114,6 @@ class EngineClient:
             text = self._server_config()
         except (httpx.HTTPError, ValueError):
             return None
-        match = re.search(r"dtype=torch\.(\w+)", text)
-        dtype = getattr(torch, match.group(1), None) if match else None
+        name = dtype_in(text)
+        dtype = getattr(torch, name, None) if name else None
         return dtype if isinstance(dtype, torch.dtype) else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from yieldgate.serving.engine_control import EngineCallFailed, EngineRefused
+
 
 class BridgeError(Exception):
     """Base class for every trainer-bridge failure."""
@@ -20,14 +22,12 @@ class TransferError(BridgeError):
     """The data stream broke (disconnect, timeout, malformed frame, incomplete coverage)."""
 
 
-class EngineRequestError(BridgeError):
-    """An engine HTTP endpoint answered with an error status."""
+class EngineRequestError(BridgeError, EngineCallFailed):
+    """An engine HTTP endpoint answered the trainer's client with an error status."""
 
-    def __init__(self, url: str, status: int, body: str) -> None:
-        super().__init__(f"{url} -> HTTP {status}: {body[:500]}")
-        self.url = url
-        self.status = status
-        self.body = body
+
+# An engine's refusal of a push token, from either client (the trainer's or EngineControl).
+REFUSALS = (PushRefused, EngineRefused)
 
 
 class PushFailed(BridgeError):
@@ -46,3 +46,26 @@ class RolloutFailed(BridgeError):
         super().__init__(f"rollout stopped at {replica or '-'}: {reason}")
         self.reason = reason
         self.replica = replica
+
+
+class WeightsRequestError(BridgeError):
+    """The weight orchestrator refuses a request as it stands; the admin API answers with its
+    message, `param` and `code`."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidWeightsRequest(WeightsRequestError):
+    """Malformed or impossible as asked (unknown tier, reserved version, nothing staged)."""
+
+
+class RolloutConflict(WeightsRequestError):
+    """The fleet's state forbids it now (a rollout runs, no healthy replica, nothing stored)."""
+
+
+class NoSuchRollout(WeightsRequestError):
+    """No rollout (or no engine of it) by that id is waiting for a push."""

@@ -18,7 +18,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -237,18 +237,11 @@ def _push_through_gateway(
         targets = {t["url"]: faults.stream_target(t["url"], body["push_token"],
                                                   bytes.fromhex(t["session"]))
                    for t in body["targets"]}
-        bar = _progress_bar(weights.total_bytes * len(targets), version) if progress else None
-        lock = threading.Lock()
-
-        def tick(n: int) -> None:
-            with lock:  # one writer thread per receiver
-                bar.update(n)
-
+        bar = _Progress(weights.total_bytes * len(targets), version, progress)
         transfer_started = time.perf_counter()
-        sender.stream(weights, list(targets.values()), tick if bar is not None else None)
+        sender.stream(weights, list(targets.values()), bar.callback)
         transfer_seconds = time.perf_counter() - transfer_started
-        if bar is not None:
-            bar.close()
+        bar.close()
         failures = {url: t.error for url, t in targets.items() if t.error is not None}
         if len(failures) < len(targets):
             # Some receivers verified their stream: the gateway decides (a rolling update named
@@ -277,6 +270,26 @@ def _gateway_error(url: str, resp: httpx.Response) -> BridgeError:
     return EngineRequestError(url, resp.status_code, resp.text)
 
 
+class _Progress:
+    """A byte progress bar that several writer threads (one per receiver) tick; None = off."""
+
+    def __init__(self, total: int, label: str, show: bool) -> None:
+        self.bar = _progress_bar(total, label) if show else None
+        self.lock = threading.Lock()
+
+    def tick(self, n: int) -> None:
+        with self.lock:
+            self.bar.update(n)
+
+    @property
+    def callback(self) -> Callable[[int], None] | None:
+        return self.tick if self.bar is not None else None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _stream(
     pool: ThreadPoolExecutor,
     weights: WeightSet,
@@ -296,80 +309,87 @@ def _stream(
 
     With phase "load" each engine has loaded the weights when this returns; with "stage" each
     holds them verified in its staging buffers, to be loaded by `apply_staged`. `then(client)`
-    runs as soon as that
-    engine's update returned and its stream ended verified (a failure in it counts as the
-    engine's); transfer seconds end there for the last engine, before its `then`."""
-    failures: dict[str, BaseException] = {}
-
-    def prepare(client: EngineClient) -> None:
-        if init:
-            client.init_weight_transfer_engine({"token": token})
-        (client.start_draft_weight_update if draft else client.start_weight_update)()
-
-    for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
-        try:
-            fut.result()
-        except Exception as exc:  # noqa: BLE001 - reported per engine
-            failures[client.base_url] = exc
+    runs as soon as that engine's update returned and its stream ended verified (a failure in
+    it counts as the engine's); transfer seconds end there for the last engine, before its `then`."""
+    failures = _open_sessions(pool, clients, token, init, draft)
     live = [c for c in clients if c.base_url not in failures]
-
     transfer_started = time.perf_counter()
+    updated: list[float] = []  # when each engine's update ended verified
     with ChunkSender(
         cfg.bind_host, cfg.advertise_host, cfg.chunk_bytes, cfg.checksum, cfg.connect_timeout_s,
         cfg.shared_memory,
     ) as sender:
         targets = {c.base_url: faults.stream_target(c.base_url, token) for c in live}
 
-        updated: list[float] = []
-
         def update(client: EngineClient) -> None:
-            target = targets[client.base_url]
-            try:
-                info = sender.update_info(weights, target, cfg.stream_timeout_s)
-                extra = {} if cfg.pipeline_load else {"extra": {"pipeline": False}}
-                client.update_weights({**info, "phase": phase, **extra})
-            except Exception as exc:
-                target.done.wait(1.0)  # let the writer record the stream-side reason first
-                target.fail(exc)
-                raise
-            # A staging engine answers at once and verifies in the background: its stream is
-            # over (status received) only once the writer is done.
-            target.done.wait(cfg.stream_timeout_s)
-            if target.error is not None:
-                raise target.error
+            _update_one(sender, weights, client, targets[client.base_url], cfg, phase)
             updated.append(time.perf_counter())
             if then is not None:
                 then(client)
 
-        bar = _progress_bar(weights.total_bytes * len(live), label) if progress else None
-        lock = threading.Lock()
-
-        def tick(n: int) -> None:
-            with lock:
-                bar.update(n)
-
+        bar = _Progress(weights.total_bytes * len(live), label, progress)
         updates = {c.base_url: pool.submit(update, c) for c in live}
-        sender.stream(weights, list(targets.values()), tick if bar else None)
+        sender.stream(weights, list(targets.values()), bar.callback)
         for url, fut in updates.items():
-            try:
-                fut.result()
-            except BaseException as exc:  # noqa: BLE001
-                stream_error = targets[url].error
-                if stream_error is not None and stream_error is not exc:
-                    # The stream says why it broke; the engine's answer says what it did about it.
-                    stream_error.add_note(f"engine answered: {exc}")
-                failures[url] = stream_error or exc
-            else:
-                if targets[url].error is not None:
-                    failures[url] = targets[url].error
-        if bar is not None:
-            bar.close()
+            error = _outcome(fut, targets[url])
+            if error is not None:
+                failures[url] = error
+        bar.close()
     return _Streamed(
         failures=failures,
         transfer_seconds=max(updated, default=time.perf_counter()) - transfer_started,
         sessions={url: t.session.hex() for url, t in targets.items() if url not in failures},
         transports={url: t.transport for url, t in targets.items() if t.transport},
     )
+
+
+def _open_sessions(pool: ThreadPoolExecutor, clients: list[EngineClient], token: str, init: bool,
+                   draft: bool) -> dict[str, BaseException]:
+    """Arm (if `init`) and start an update session on every engine. -> failures per engine."""
+    def prepare(client: EngineClient) -> None:
+        if init:
+            client.init_weight_transfer_engine({"token": token})
+        (client.start_draft_weight_update if draft else client.start_weight_update)()
+
+    failures: dict[str, BaseException] = {}
+    for client, fut in [(c, pool.submit(prepare, c)) for c in clients]:
+        try:
+            fut.result()
+        except Exception as exc:  # noqa: BLE001 - reported per engine
+            failures[client.base_url] = exc
+    return failures
+
+
+def _update_one(sender: ChunkSender, weights: WeightSet, client: EngineClient, target: StreamTarget,
+                cfg: BridgeConfig, phase: str) -> None:
+    """One engine's /update_weights (it pulls `target`'s stream); returns once its stream ended
+    verified, raises the stream's or the engine's reason otherwise."""
+    try:
+        info = sender.update_info(weights, target, cfg.stream_timeout_s)
+        extra = {} if cfg.pipeline_load else {"extra": {"pipeline": False}}
+        client.update_weights({**info, "phase": phase, **extra})
+    except Exception as exc:
+        target.done.wait(1.0)  # let the writer record the stream-side reason first
+        target.fail(exc)
+        raise
+    # A staging engine answers at once and verifies in the background: its stream is over
+    # (status received) only once the writer is done.
+    target.done.wait(cfg.stream_timeout_s)
+    if target.error is not None:
+        raise target.error
+
+
+def _outcome(fut: Future, target: StreamTarget) -> BaseException | None:
+    """Why one engine's update failed (the stream's reason first), or None."""
+    try:
+        fut.result()
+    except BaseException as exc:  # noqa: BLE001
+        stream_error = target.error
+        if stream_error is not None and stream_error is not exc:
+            # The stream says why it broke; the engine's answer says what it did about it.
+            stream_error.add_note(f"engine answered: {exc}")
+        return stream_error or exc
+    return target.error
 
 
 def stage(
