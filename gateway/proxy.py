@@ -25,6 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from yieldgate.cache import RouteRequest
 from yieldgate.pricing import ApiKey
 
+from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
                               UpstreamResponse)
@@ -52,9 +53,11 @@ _RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
 
 class Proxy:
-    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting):
+    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting,
+                 adapters: Adapters | None = None):
         self.config = config
         self.fleet = fleet
+        self.adapters = adapters
         self.routing = routing
         self.accounting = accounting
         limits = config.limits
@@ -140,8 +143,13 @@ class Proxy:
         body = await self.read_body(receive, headers)
         raw, typed = self.parse(kind, body)
         model, tier = resolve_tier(typed.model, typed.requested_service_tier)
+        adapter = None
         if model != self.fleet.config.model:
-            raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
+            adapter = self.adapters.resolve(model) if self.adapters is not None else None
+            if adapter is None:
+                raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
+            # Priced and recorded as its base model, with the adapter and version beside it.
+            model = self.fleet.config.model
         ctx = RequestContext(
             request_id=_request_id(headers),
             kind=kind, model=model, tier=tier, started=started, stream=typed.stream,
@@ -150,37 +158,56 @@ class Proxy:
             max_tokens=typed.output_limit, typed=typed,
         )
         api = APIS[kind]
-        if kind == "count_tokens":
+        if kind == "count_tokens":  # the base model's tokenizer counts an adapter's tokens too
             return await self._count_tokens(ctx, api, body)
-        if kind == "responses" and typed.previous_response_id:
-            ctx.pinned = await self._stored_on(typed.previous_response_id)
-            ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
-        await self.accounting.admit(ctx)
-        # Responses and Messages requests route on their prompt rendered as chat messages.
-        ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
-                                         if isinstance(typed, ChatShaped) else raw)
-        want_usage = typed.shows_usage
-        if model == typed.model and want_usage:
-            payload = body  # nothing to change: forward the client's bytes as they came
-        else:
-            raw["model"] = model
-            if typed.stream and not want_usage:
-                # Always ask the engine for usage: every streamed token is billed, even if the
-                # client did not ask to see the usage event.
-                options = raw.get("stream_options") or {}
-                options["include_usage"] = True
-                raw["stream_options"] = options
-            payload = _encode(raw)
+        if adapter is not None:
+            # Bound to the version current now, held until the request is over: a version bump
+            # unloads the old version only once nothing sent to it is in flight.
+            ctx.adapter, ctx.adapter_held = adapter, True
+            self.adapters.acquire(adapter)
+        streaming = False
         try:
-            if typed.stream:
-                client = scope.get("client")
-                owner = stream_owner(ctx.key, client[0] if client else None)
-                return await self._stream(ctx, api, payload, want_usage, owner)
-            return await self._unary(ctx, api, payload)
-        except BaseException:
-            if not ctx.finished:
-                self.accounting.finish(ctx, None, "error")
-            raise
+            if kind == "responses" and typed.previous_response_id:
+                ctx.pinned = await self._stored_on(typed.previous_response_id)
+                ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
+            await self.accounting.admit(ctx)
+            # Responses and Messages requests route on their prompt rendered as chat messages.
+            ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
+                                             if isinstance(typed, ChatShaped) else raw)
+            want_usage = typed.shows_usage
+            upstream_model = adapter.engine_name if adapter is not None else model
+            if upstream_model == typed.model and want_usage:
+                payload = body  # nothing to change: forward the client's bytes as they came
+            else:
+                raw["model"] = upstream_model
+                if typed.stream and not want_usage:
+                    # Always ask the engine for usage: every streamed token is billed, even if the
+                    # client did not ask to see the usage event.
+                    options = raw.get("stream_options") or {}
+                    options["include_usage"] = True
+                    raw["stream_options"] = options
+                payload = _encode(raw)
+            try:
+                if typed.stream:
+                    client = scope.get("client")
+                    owner = stream_owner(ctx.key, client[0] if client else None)
+                    response = await self._stream(ctx, api, payload, want_usage, owner)
+                    streaming = True  # the stream's end lets the adapter version go
+                    return response
+                return await self._unary(ctx, api, payload)
+            except BaseException:
+                if not ctx.finished:
+                    self.accounting.finish(ctx, None, "error")
+                raise
+        finally:
+            if not streaming:
+                self._let_go(ctx)
+
+    def _let_go(self, ctx: RequestContext) -> None:
+        """The request no longer needs its adapter version on the engines (once per request)."""
+        if ctx.adapter_held and self.adapters is not None:
+            ctx.adapter_held = False
+            self.adapters.release(ctx.adapter)
 
     async def _stored_on(self, response_id: str) -> Replica:
         """The replica holding a stored response; 404 when no gateway recorded it or its replica
@@ -263,6 +290,10 @@ class Proxy:
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
         fallback = self.config.fleet.tier(ctx.tier).fallback
+        if ctx.adapter is not None:
+            raise ServiceUnavailable(f"Adapter '{ctx.adapter.label}' is on no routable replica of tier "
+                                     f"'{ctx.tier}'" + (f" nor of its fallback tier '{fallback}'." if fallback else "."),
+                                     headers={"retry-after": "1"})
         raise ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'"
                                  + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
                                  headers={"retry-after": "1"})
@@ -278,12 +309,15 @@ class Proxy:
                     f"waited {self.config.limits.weight_swap_hold_s:g} s. Retry shortly.",
                     code="weight_swap_in_progress", headers={"retry-after": "1"})
             routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
+        if ctx.adapter is not None:  # only replicas holding the request's adapter version
+            routable = [r for r in routable if self.adapters.holds(ctx.adapter, r)]
         candidates = [r for r in routable if r.name not in failed]
         if not candidates:
             # None of the tier's replicas can take it (down, or failed this request): its
             # fallback tier serves it, priced and labelled as that tier.
             served_by, spare = self.fleet.fallback(ctx.tier)
-            candidates = [r for r in spare if r.name not in failed]
+            candidates = [r for r in spare if r.name not in failed
+                          and (ctx.adapter is None or self.adapters.holds(ctx.adapter, r))]
             if candidates:
                 ctx.serve_from(served_by)
                 self.accounting.metrics.failovers.labels(ctx.requested_tier, served_by).inc()
@@ -364,6 +398,7 @@ class Proxy:
                 return
             ended = True
             lease.release()
+            self._let_go(ctx)
             self.routing.done(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
             if not ctx.finished:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import redis.asyncio as aioredis
 
 from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
-                   Router, RouterConfig, SharedPrefixIndex, Tokenizer, pack_tokens)
+                   Router, RouterConfig, SharedPrefixIndex, Tokenizer, lora_extra_keys, pack_tokens)
 from yieldgate.serving.config import TierConfig
 from yieldgate.serving.fleet import Fleet, Replica
 
@@ -115,6 +115,8 @@ class Routing:
             if tokens:
                 # Packed once: the block hasher and the cache advisor both read these bytes.
                 ctx.prompt_packed = request.packed_ids = pack_tokens(tokens)
+            if ctx.adapter is not None:  # the engine caches an adapter version's blocks apart
+                request.extra_keys = lora_extra_keys(ctx.adapter.engine_name, ctx.adapter.path)
         return request
 
     def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
