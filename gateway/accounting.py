@@ -400,6 +400,10 @@ class Accounting:
             else:
                 inc(c.predicted_cached, ctx.predicted_cached_tokens)
                 self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+            if ctx.adapter is not None:
+                m = self.metrics
+                m.adapter_requests.labels(ctx.adapter.name, ctx.adapter.label).inc()
+                m.adapter_cost.labels(ctx.adapter.name, ctx.adapter.label).inc(float(cost.total))
         if not estimated:
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)
