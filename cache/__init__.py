@@ -4,7 +4,7 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 ``router.pick(RouteRequest(...), replicas)``, then ``router.sent``, ``first_token`` and ``done`` as the request goes.
 """
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, pack_tokens
+from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
 from yieldgate.cache.chat_template import ChatTemplate, ChatTemplateError
 from yieldgate.cache.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
@@ -26,6 +26,6 @@ __all__ = [
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
     "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
-    "pack_tokens", "rendezvous", "PipelineSpec", "WeightedScorer", "register_filter", "register_picker",
+    "lora_extra_keys", "pack_tokens", "rendezvous", "PipelineSpec", "WeightedScorer", "register_filter", "register_picker",
     "register_preset", "register_scorer",
 ]

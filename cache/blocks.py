@@ -6,7 +6,9 @@ tokens, chained: ``h_i = H((h_{i-1}, tuple(block_tokens), extra_keys))`` with
 ``sha256`` (default; SHA-256 of ``pickle.dumps(obj, HIGHEST_PROTOCOL)``) or
 ``sha256_cbor`` (SHA-256 of canonical CBOR). The seed is ``PYTHONHASHSEED`` when
 set in the engine's environment, else "vllm-none-hash" (for the sha256 family).
-``extra_keys`` is None for plain text requests (no LoRA, multimodal, cache_salt).
+``extra_keys`` is None for plain text requests (no multimodal, cache_salt) and
+``(("lora", lora_name, lora_path),)`` on every block of a LoRA request: an adapter's
+blocks never share hashes with the base model's or another adapter's (``lora_extra_keys``).
 
 KV events carry *external* hashes: with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``
 (the default) the low 64 bits of the digest as an int, else the raw digest bytes.
@@ -91,11 +93,15 @@ class BlockHasher:
         # per new block made a 20-50 ms young-generation pass every ~12k requests at 4 new blocks each).
         self._memo: dict[bytes | tuple[bytes, tuple[int, ...]], bytes] = {}
 
-    def digests(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[bytes]:
+    def digests(self, token_ids: Sequence[int], packed: bytes | None = None,
+                extra_keys: tuple | None = None) -> list[bytes]:
         """Full internal digests, one per full block (the chain the engine keeps);
-        `packed` = pack_tokens(token_ids) when the caller already has it."""
+        `packed` = pack_tokens(token_ids) when the caller already has it; `extra_keys` the
+        engine's per-block extra keys (the same on every block, as a LoRA request's are)."""
         out: list[bytes] = []
         parent = self.none_hash
+        # Only a chain's first block shares its memo key with another chain's; later parents differ.
+        salt = b"" if extra_keys is None else pickle.dumps(extra_keys)
         bs = self.block_size
         h = self._hash
         memo = self._memo
@@ -106,11 +112,11 @@ class BlockHasher:
             # than pickling and hashing the block again. Keys are bytes, which the garbage collector
             # does not track: kept (parent, tuple of ints) keys made it walk 34 objects per new block.
             key: bytes | tuple[bytes, tuple[int, ...]] = (
-                parent + packed[4 * start:4 * (start + bs)] if packed is not None
-                else (parent, tuple(token_ids[start:start + bs])))
+                salt + parent + packed[4 * start:4 * (start + bs)] if packed is not None
+                else (salt, parent, tuple(token_ids[start:start + bs])))
             digest = memo.get(key)
             if digest is None:
-                digest = h((parent, tuple(token_ids[start:start + bs]), None))
+                digest = h((parent, tuple(token_ids[start:start + bs]), extra_keys))
                 if len(memo) >= _MEMO_MAX_BLOCKS:
                     drop_oldest(memo, _MEMO_MAX_BLOCKS // 16)
                 memo[key] = digest
@@ -121,9 +127,16 @@ class BlockHasher:
     def external(self, digest: bytes) -> BlockHash:
         return int.from_bytes(digest, "big") & _LOW64 if self._as_int else digest
 
-    def hashes(self, token_ids: Sequence[int], packed: bytes | None = None) -> list[BlockHash]:
+    def hashes(self, token_ids: Sequence[int], packed: bytes | None = None,
+               extra_keys: tuple | None = None) -> list[BlockHash]:
         """External hashes (what BlockStored.block_hashes carries) for each full block;
         `packed` = pack_tokens(token_ids) when the caller already has it."""
         if self._as_int:
-            return [int.from_bytes(d, "big") & _LOW64 for d in self.digests(token_ids, packed)]
-        return list(self.digests(token_ids, packed))
+            return [int.from_bytes(d, "big") & _LOW64 for d in self.digests(token_ids, packed, extra_keys)]
+        return list(self.digests(token_ids, packed, extra_keys))
+
+
+def lora_extra_keys(lora_name: str, lora_path: str) -> tuple:
+    """The extra keys vLLM hashes into every block of a request for LoRA adapter `lora_name`
+    loaded from `lora_path` (v1/core/kv_cache_utils.py: _gen_lora_extra_hash_keys)."""
+    return (("lora", lora_name, lora_path),)

@@ -139,7 +139,7 @@ class Router:
             if request.block_hashes is not None:
                 hashes = list(request.block_hashes)
             elif request.token_ids is not None:
-                hashes = self.hasher.hashes(request.token_ids, request.packed_ids)
+                hashes = self.hasher.hashes(request.token_ids, request.packed_ids, request.extra_keys)
             if self.index is not None:
                 self._sync_capacity(candidates)
                 if hashes:

@@ -39,6 +39,9 @@ class RouteRequest(msgspec.Struct):
     packed_ids: bytes | None = None  # cache.blocks.pack_tokens(token_ids), when the caller packed them
     block_hashes: list[BlockHash] | None = None
     session_id: str | None = None
+    # vLLM's per-block extra hash keys (cache.blocks.lora_extra_keys for a LoRA request): the
+    # engine caches an adapter's blocks under other hashes than the base model's.
+    extra_keys: tuple | None = None
 
 
 class RouteContext(msgspec.Struct):

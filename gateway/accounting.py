@@ -23,7 +23,7 @@ import math
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine
@@ -39,7 +39,7 @@ from yieldgate.pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, Fleet
 from yieldgate.pricing import RateLimited as PricingRateLimited
 from yieldgate.pricing import Usage as PricedUsage
 from yieldgate.serving.config import home_dir
-from yieldgate.serving.fleet import Fleet, Replica
+from yieldgate.serving.fleet import Fleet
 
 from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnavailable
 from .http import bearer_token
@@ -358,6 +358,7 @@ class Accounting:
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
                 tier=ctx.tier, requested_tier=ctx.requested_tier,
                 replica=ctx.replica_name, weight_version=ctx.weight_version,
+                adapter=ctx.adapter.name if ctx.adapter is not None else "",
                 session_id=ctx.session_id or None,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
                 latency_ms=round(latency * 1000, 3), status=status))
@@ -399,6 +400,10 @@ class Accounting:
             else:
                 inc(c.predicted_cached, ctx.predicted_cached_tokens)
                 self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+            if ctx.adapter is not None:
+                m = self.metrics
+                m.adapter_requests.labels(ctx.adapter.name, ctx.adapter.label).inc()
+                m.adapter_cost.labels(ctx.adapter.name, ctx.adapter.label).inc(float(cost.total))
         if not estimated:
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)

@@ -15,13 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
+from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
 from .apis import ANTHROPIC, APIS, ROUTES
-from .http import bearer_token, json_response
+from .http import bearer_token
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
@@ -73,7 +75,8 @@ class Gateway:
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet)
         self.dashboard = Dashboard(self)
-        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting)
+        self.adapters = Adapters(self.fleet)
+        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters)
         self.weights = WeightOrchestrator(self)
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
@@ -90,6 +93,7 @@ class Gateway:
     async def close(self) -> None:
         await self.weights.close()
         await self.proxy.close()
+        await self.adapters.close()
         await self.routing.close()
         await self.dashboard.close()
         await self.accounting.close()
@@ -240,6 +244,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     app.include_router(build_admin_router(gw))
     app.include_router(build_intake_router(gw))
+    app.include_router(build_adapters_router(gw))
     app.include_router(build_feedback_router(gw, api_key))
     app.include_router(build_dashboard_router(gw, gw.dashboard))
     inference = [Depends(api_key)]
@@ -270,15 +275,18 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     @app.get("/v1/models", dependencies=inference)
     async def models() -> Response:
-        return Response(_encode(ModelList(data=[ModelCard(id=i) for i in model_ids()])),
-                        media_type="application/json")
+        cards = [ModelCard(id=i) for i in model_ids()] + adapter_cards(gw)
+        return Response(_encode(ModelList(data=cards)), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}", dependencies=inference)
     async def model(model_id: str) -> Response:
         # The openai SDK's models.retrieve(); ids may hold "/" (org/name) and ":" (the fast tier).
-        if model_id not in model_ids():
+        if model_id in model_ids():
+            return Response(_encode(ModelCard(id=model_id)), media_type="application/json")
+        card = next((c for c in adapter_cards(gw) if c.id == model_id), None)
+        if card is None:
             raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
-        return Response(_encode(ModelCard(id=model_id)), media_type="application/json")
+        return Response(_encode(card), media_type="application/json")
 
     app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status))
     return app

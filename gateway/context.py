@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yieldgate.pricing import ApiKey, Reservation
+from yieldgate.serving.adapters import AdapterRoute
 from yieldgate.serving.fleet import Replica
 
 
@@ -55,6 +56,8 @@ class RequestContext:
     reservation: Reservation | None = None
     rate_tokens: int = 0                    # tokens already counted against the key's TPM
     extra: dict[str, Any] = field(default_factory=dict)
+    adapter: AdapterRoute | None = None     # the LoRA adapter version the request was bound to
+    adapter_held: bool = False              # counted in flight on that version (gateway/proxy.py)
 
     @property
     def replica_name(self) -> str:
@@ -62,6 +65,9 @@ class RequestContext:
 
     @property
     def weight_version(self) -> str:
+        """What produced the answer: `adapter@version` for an adapter, else the replica's weights."""
+        if self.adapter is not None:
+            return self.adapter.label
         return self.replica.weight_version if self.replica else ""
 
     def bind(self, replica: Replica, predicted_cached_tokens: int) -> None:

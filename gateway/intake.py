@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from yieldgate.pricing import ApiKey
+from yieldgate.serving.adapters import Adapters
 
 from .apis import APIS
 from .config import LimitsConfig
@@ -73,28 +74,36 @@ def parse_request(kind: str, body: bytes, limits: LimitsConfig) -> tuple[dict[st
 
 
 def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKey | None,
-                 served_model: str, limits: LimitsConfig, started: float | None = None) -> Intake:
-    """Parse the body, resolve model and tier (404 for a model the fleet does not serve) and open
-    the request's context. `headers` are the raw request headers with lower-case names."""
+                 served_model: str, limits: LimitsConfig, started: float | None = None,
+                 adapters: Adapters | None = None) -> Intake:
+    """Parse the body, resolve model and tier (404 for a model the fleet does not serve, nor a
+    LoRA adapter of `adapters`) and open the request's context. `headers` are the raw request
+    headers with lower-case names."""
     raw, typed = parse_request(kind, body, limits)
     model, tier = resolve_tier(typed.model, typed.requested_service_tier)
+    adapter = None
     if model != served_model:
-        raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
+        adapter = adapters.resolve(model) if adapters is not None else None
+        if adapter is None:
+            raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
+        model = served_model  # priced and recorded as its base model, the adapter and version beside it
     ctx = RequestContext(
         request_id=request_id(headers),
         kind=kind, model=model, tier=tier, started=time.perf_counter() if started is None else started,
         stream=typed.stream,
         session_id=header(headers, b"x-session-id") or typed.user or "",
         key=key,
-        max_tokens=typed.output_limit, typed=typed,
+        max_tokens=typed.output_limit, typed=typed, adapter=adapter,
     )
     return Intake(raw, typed, ctx)
 
 
 def upstream_payload(intake: Intake, body: bytes) -> bytes:
     """The bytes for the engine: the client's own unless a field must change (the served model
-    name for a `:fast` suffix; usage asked for on a stream that did not ask for it)."""
-    raw, typed, model = intake.raw, intake.typed, intake.ctx.model
+    name for a `:fast` suffix or an adapter version's engine name; usage asked for on a stream
+    that did not ask for it)."""
+    raw, typed, ctx = intake.raw, intake.typed, intake.ctx
+    model = ctx.adapter.engine_name if ctx.adapter is not None else ctx.model
     if model == typed.model and typed.shows_usage:
         return body  # nothing to change: forward the client's bytes as they came
     raw["model"] = model

@@ -92,6 +92,12 @@ class GatewayMetrics:
         self.cost = Counter(
             "yieldgate_cost_usd", "List-price spend by kind (uncached_input, cached_input, output)",
             ["kind", "tier", "model"], registry=r)
+        self.adapter_requests = Counter(
+            "yieldgate_adapter_requests", "Requests answered by a LoRA adapter, by adapter and version (name@version)",
+            ["adapter", "weight_version"], registry=r)
+        self.adapter_cost = Counter(
+            "yieldgate_adapter_cost_usd", "List-price spend on LoRA adapters, by adapter and version",
+            ["adapter", "weight_version"], registry=r)
         self.rejections = Counter(
             "yieldgate_rejections", "Requests refused before reaching an engine, by reason",
             ["reason"], registry=r)

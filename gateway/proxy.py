@@ -11,7 +11,6 @@ as they arrive; only the final usage event is decoded and rewritten (cost, tier,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
@@ -23,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from yieldgate.cache import RouteRequest
 from yieldgate.pricing import ApiKey
 
+from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
                               UpstreamResponse)
@@ -49,9 +49,11 @@ _RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
 
 class Proxy:
-    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting):
+    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting,
+                 adapters: Adapters | None = None):
         self.config = config
         self.fleet = fleet
+        self.adapters = adapters
         self.routing = routing
         self.accounting = accounting
         limits = config.limits
@@ -102,30 +104,49 @@ class Proxy:
         # would scan and decode the whole list again for every lookup.
         headers = dict(scope["headers"])
         body = await self.read_body(receive, headers)
-        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started)
+        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started,
+                              adapters=self.adapters)
         raw, typed, ctx = intake.raw, intake.typed, intake.ctx
         api = APIS[kind]
-        if kind == "count_tokens":
+        if kind == "count_tokens":  # the base model's tokenizer counts an adapter's tokens too
             return await self._count_tokens(ctx, api, body)
-        if kind == "responses" and typed.previous_response_id:
-            ctx.pinned = await self._stored_on(typed.previous_response_id)
-            ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
-        await self.accounting.admit(ctx)
-        # Responses and Messages requests route on their prompt rendered as chat messages.
-        ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
-                                         if isinstance(typed, ChatShaped) else raw)
-        want_usage = typed.shows_usage
-        payload = upstream_payload(intake, body)
+        if ctx.adapter is not None:
+            # Bound to the version current now, held until the request is over: a version bump
+            # unloads the old version only once nothing sent to it is in flight.
+            ctx.adapter_held = True
+            self.adapters.acquire(ctx.adapter)
+        streaming = False
         try:
-            if typed.stream:
-                client = scope.get("client")
-                owner = stream_owner(ctx.key, client[0] if client else None)
-                return await self._stream(ctx, api, payload, want_usage, owner)
-            return await self._unary(ctx, api, payload)
-        except BaseException:
-            if not ctx.finished:
-                self.accounting.finish(ctx, None, "error")
-            raise
+            if kind == "responses" and typed.previous_response_id:
+                ctx.pinned = await self._stored_on(typed.previous_response_id)
+                ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
+            await self.accounting.admit(ctx)
+            # Responses and Messages requests route on their prompt rendered as chat messages.
+            ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
+                                             if isinstance(typed, ChatShaped) else raw)
+            want_usage = typed.shows_usage
+            payload = upstream_payload(intake, body)
+            try:
+                if typed.stream:
+                    client = scope.get("client")
+                    owner = stream_owner(ctx.key, client[0] if client else None)
+                    response = await self._stream(ctx, api, payload, want_usage, owner)
+                    streaming = True  # the stream's end lets the adapter version go
+                    return response
+                return await self._unary(ctx, api, payload)
+            except BaseException:
+                if not ctx.finished:
+                    self.accounting.finish(ctx, None, "error")
+                raise
+        finally:
+            if not streaming:
+                self._let_go(ctx)
+
+    def _let_go(self, ctx: RequestContext) -> None:
+        """The request no longer needs its adapter version on the engines (once per request)."""
+        if ctx.adapter_held and self.adapters is not None:
+            ctx.adapter_held = False
+            self.adapters.release(ctx.adapter)
 
     async def _stored_on(self, response_id: str) -> Replica:
         """The replica holding a stored response; 404 when no gateway recorded it or its replica
@@ -182,7 +203,8 @@ class Proxy:
                         "failed.", param="previous_response_id")
                 candidates = [ctx.pinned]
             else:
-                candidates = await self.routing.candidates(ctx, failed, self._failover)
+                holds = (lambda r: self.adapters.holds(ctx.adapter, r)) if ctx.adapter is not None else None
+                candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
@@ -285,6 +307,7 @@ class Proxy:
                 return
             ended = True
             lease.release()
+            self._let_go(ctx)
             self.routing.done(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
             if not ctx.finished:

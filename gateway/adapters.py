@@ -1,0 +1,93 @@
+"""LoRA adapters over HTTP: the admin API (/admin/adapters, admin credential) and how an adapter
+shows in /v1/models. The registry and placement are serving/adapters.py; the request path binds a
+request to an adapter version in gateway/proxy.py. See docs/adapters.md."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import msgspec
+from fastapi import APIRouter, Depends, Request
+from msgspec import Meta
+from starlette.responses import Response
+
+from yieldgate.serving.adapters import AdapterError
+
+from .errors import APIError
+from .http import decode_body, json_response
+from .schemas import ModelCard
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+_Text = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class AdapterPush(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /admin/adapters: a new adapter, or a new version of one."""
+
+    name: _Text
+    version: _Text
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]   # a PEFT directory the engines can read
+    source: Literal["path"] = "path"
+    tiers: list[str] | None = None        # default: every tier (a new version keeps the adapter's)
+    placement: Literal["all"] = "all"     # every replica of the tiers
+
+
+class AdapterCard(ModelCard):
+    """An adapter in /v1/models, as vLLM lists one: `parent` is its base model."""
+
+    parent: str = ""
+    root: str = ""
+
+
+def adapter_cards(gw: "Gateway") -> list[AdapterCard]:
+    adapters = gw.adapters.adapters
+    return [AdapterCard(id=n, parent=adapters[n].base, root=f"{n}@{adapters[n].current}")
+            for n in gw.adapters.names()]
+
+
+def _api_error(exc: AdapterError) -> APIError:
+    return APIError(exc.message, status=exc.status, code=exc.code)
+
+
+def build_adapters_router(gw: "Gateway") -> APIRouter:
+    def admin(request: Request) -> None:
+        gw.require_admin(request)
+
+    router = APIRouter(prefix="/admin/adapters", dependencies=[Depends(admin)])
+
+    @router.get("")
+    async def list_adapters() -> Response:
+        return json_response({"object": "list", "data": gw.adapters.status()})
+
+    @router.post("")
+    async def push(request: Request) -> Response:
+        spec: AdapterPush = await decode_body(request, AdapterPush)
+        try:
+            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers)
+        except AdapterError as exc:
+            raise _api_error(exc) from None
+        return json_response(_one(gw, spec.name), 201)
+
+    @router.post("/{name}/rollback")
+    async def rollback(name: str) -> Response:
+        try:
+            await gw.adapters.rollback(name)
+        except AdapterError as exc:
+            raise _api_error(exc) from None
+        return json_response(_one(gw, name))
+
+    @router.delete("/{name}")
+    async def remove(name: str) -> Response:
+        try:
+            await gw.adapters.remove(name)
+        except AdapterError as exc:
+            raise _api_error(exc) from None
+        return json_response({"name": name, "deleted": True})
+
+    return router
+
+
+def _one(gw: "Gateway", name: str) -> dict:
+    return next(d for d in gw.adapters.status() if d["name"] == name)

@@ -1,0 +1,94 @@
+"""The engine's LoRA calls, one small async client: load, load in place, unload, list.
+
+vLLM serves them with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` (serving/launcher.py sets it when
+the fleet's LoRA is on). A load makes the engine read and check the adapter directory itself, so
+a missing or corrupt adapter is refused by the load, before any request uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+
+class LoraEngineError(RuntimeError):
+    """The engine refused a LoRA call (or could not be reached); `status` is its HTTP status (0 if
+    it never answered), `message` its own words."""
+
+    def __init__(self, url: str, call: str, status: int, message: str):
+        super().__init__(f"{call} on {url}: HTTP {status}: {message}" if status else f"{call} on {url}: {message}")
+        self.url, self.call, self.status, self.message = url, call, status, message
+
+
+class LoraClient:
+    """LoRA calls to any engine by base URL; one aiohttp session for all of them."""
+
+    def __init__(self, timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _post(self, url: str, path: str, body: dict) -> None:
+        session = await self._http()
+        try:
+            async with session.post(url + path, json=body) as resp:
+                if resp.status == 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise LoraEngineError(url, path, 0, f"{type(exc).__name__}: {exc}") from None
+        raise LoraEngineError(url, path, resp.status, _message(text))
+
+    async def load(self, url: str, name: str, path: str) -> None:
+        """Register adapter `name` from the PEFT directory `path` (readable by the engine)."""
+        await self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def load_inplace(self, url: str, name: str, path: str) -> None:
+        """Replace the weights of the loaded adapter `name`. Requests running on it at that moment
+        go on with the new weights: a response can then come from two versions."""
+        await self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path, "load_inplace": True})
+
+    async def unload(self, url: str, name: str) -> bool:
+        """-> False if the engine did not have it (already gone is not an error here)."""
+        try:
+            await self._post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+        except LoraEngineError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def list(self, url: str) -> dict[str, str]:
+        """The adapters the engine serves: name -> path (its /v1/models cards with a parent)."""
+        session = await self._http()
+        try:
+            async with session.get(url + "/v1/models") as resp:
+                if resp.status != 200:
+                    raise LoraEngineError(url, "/v1/models", resp.status, _message(await resp.text()))
+                cards = (await resp.json()).get("data", [])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise LoraEngineError(url, "/v1/models", 0, f"{type(exc).__name__}: {exc}") from None
+        return {c["id"]: c.get("root") or "" for c in cards if isinstance(c, dict) and c.get("parent")}
+
+
+def _message(text: str) -> str:
+    """The engine's error message out of its OpenAI-shaped error body, else the raw text (cut)."""
+    import json
+
+    try:
+        body = json.loads(text)
+        err = body.get("error", body) if isinstance(body, dict) else {}
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:500]
+    except ValueError:
+        pass
+    return text[:500]
