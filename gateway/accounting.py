@@ -358,7 +358,7 @@ class Accounting:
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
                 tier=ctx.tier, requested_tier=ctx.requested_tier,
                 replica=ctx.replica_name, weight_version=ctx.weight_version,
-                session_id=ctx.session_id or None,
+                session_id=ctx.session_id or None, route=ctx.kind,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
                 latency_ms=round(latency * 1000, 3), status=status))
         if key is not None:

@@ -25,6 +25,7 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     replica: str = ""
     weight_version: str = ""
     session_id: str | None = None
+    route: str = ""                   # the API: chat, completions, responses, messages ("" = before routes were kept)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
