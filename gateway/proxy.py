@@ -17,7 +17,9 @@ import logging
 import os
 import time
 from typing import Any, AsyncIterator, Callable
+from urllib.parse import quote
 
+import httpx
 import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -34,7 +36,7 @@ from .affinity import ResponseAffinity
 from .apis import APIS, Api
 from .context import RequestContext, Usage
 from .config import Config
-from .errors import (InvalidRequest, ModelNotFound, PayloadTooLarge, PreviousResponseNotFound,
+from .errors import (InvalidRequest, ModelNotFound, PayloadTooLarge, PreviousResponseNotFound, ResponseNotFound,
                      ServiceUnavailable, UpstreamError, param_from_msgspec)
 from .limits import StreamLimiter, stream_owner
 from .responses import JSONReply
@@ -181,6 +183,27 @@ class Proxy:
             if not ctx.finished:
                 self.accounting.finish(ctx, None, "error")
             raise
+
+    async def stored_response(self, response_id: str) -> Response:
+        """`GET /v1/responses/{id}` (the openai client's responses.retrieve): asked of the replica
+        that stored it, the only engine that has it. Not billed: nothing is generated."""
+        try:
+            replica = await self._stored_on(response_id)
+        except PreviousResponseNotFound as exc:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id") from exc
+        try:
+            # A rare read, not the hot path: one short-lived client instead of the pooled POST path.
+            async with httpx.AsyncClient(timeout=30.0) as http:
+                resp = await http.get(f"{replica.url}/v1/responses/{quote(response_id, safe='')}")
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailable(f"Replica {replica.name}, which stored response '{response_id}', did "
+                                     f"not answer: {type(exc).__name__}.", code="upstream_unavailable") from exc
+        if resp.status_code == 404:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found: replica {replica.name} no "
+                                   "longer has it.", param="response_id")
+        if resp.status_code != 200:
+            return APIS["responses"].upstream_error(resp.status_code, resp.content)
+        return JSONReply(resp.content, [(b"x-yieldgate-replica", replica.name.encode("latin-1"))])
 
     async def _stored_on(self, response_id: str) -> Replica:
         """The replica holding a stored response; 404 when no gateway recorded it or its replica
