@@ -14,7 +14,6 @@ from .sse import SSEDecoder
 from .target import Target
 from .wire import WIRES, BadAnswer, WireUsage, error_message
 
-
 _encode = msgspec.json.Encoder().encode
 
 
