@@ -183,6 +183,20 @@ def agent_parity() -> str:
     return f"{n}/{n} requests identical to vLLM's `/tokenize` (asserted)"
 
 
+def agent_routing() -> str:
+    runs = load("agent_routing")["runs"]
+    by = {(r["api"], r["policy"]): r for r in runs}
+    apis = [a for a in ("chat", "responses", "messages") if (a, "cache_aware") in by]
+    ca = [by[a, "cache_aware"]["ratio_to_oracle"] for a in apis]
+    rr = [by[a, "round_robin"]["ratio_to_oracle"] for a in apis if (a, "round_robin") in by]
+    ttft = [by[a, "cache_aware"]["ttft_p90_ms"] / by[a, "round_robin"]["ttft_p90_ms"] for a in apis
+            if (a, "round_robin") in by]
+    names = {"chat": "chat", "responses": "Responses", "messages": "Messages"}
+    each = ", ".join(f"{pct(by[a, 'cache_aware']['ratio_to_oracle'])} ({names[a]})" for a in apis)
+    return (f"cache_aware {bold(each, min(ca) >= 0.95)} vs round robin {span(rr, pct)}; TTFT p90 "
+            f"{bold(span(ttft, lambda v: f'{v:.2f}×'), max(ttft) <= 1)} round robin's (one run each)")
+
+
 def agent_compat() -> str:
     cells = load("agent_compat")["cells"]
     same = sum(1 for c in cells if c["gateway"]["ok"] == c["engine"]["ok"] and c["gateway"]["status"] == c["engine"]["status"])
@@ -270,6 +284,11 @@ BENCHMARKS = [
               files=["picker_overhead"]),
     Benchmark("agent_corpus", "tokenizer parity with the engine, agent chats (tools, calls, results, developer, part arrays)",
               "100%", "`scripts/dev test -k agent_corpus`", agent_parity),
+    Benchmark("agent_routing", "agent with tools (multi-turn, tool calls and results), 2 real engines: cached tokens / oracle",
+              "≥ 95%; TTFT never worse", "`python benchmarks/agent_routing.py` ([command](docs/benchmarks.md#agents))",
+              agent_routing, run=["benchmarks/agent_routing.py", "--requests", "100"],
+              quick=["benchmarks/agent_routing.py", "--requests", "40", "--out", str(SCRATCH / "agent_routing.json")],
+              stack="examples/routing-fleet.toml", files=["agent_routing"]),
     Benchmark("agent_compat", "agent compatibility (route × stream × tools × tier)", "all",
               "`scripts/dev test -k agent_compat`", agent_compat, files=["agent_compat"],
               **suite("test_agent_compat.py")),
@@ -346,6 +365,7 @@ def run(benchmarks: list[Benchmark], quick: bool) -> list[tuple[str, str, float]
         env = {**os.environ, **b.env}
         if b.stack is not None:
             with stack(b.stack) as home:
+                env["YIELDGATE_HOME"] = str(home)  # the stack's sockets (KV events) and model
                 rc = subprocess.call([PY, *(a.format(home=home) for a in argv)], cwd=ROOT, env=env)
         else:
             rc = subprocess.call([PY, *argv], cwd=ROOT, env=env)

@@ -345,7 +345,7 @@ class FleetSimulator:
         self.prompts = prompts
         self.done: list[SimRequest] = []
         self.issued = 0
-        self._oracle: set[BlockHash] = set()
+        self._oracle = PrefixOracle(config.block_size)
         self._arrivals = random.Random(f"{config.seed}:arrivals")
         self._ids = itertools.count()
 
@@ -448,13 +448,7 @@ class FleetSimulator:
         tokens = self.prompts.encode(messages)
         hashes = self.hasher.hashes(tokens)
         req = SimRequest(next(self._ids), session.id, turn, tokens, hashes, max_tokens, self.now)
-        # Oracle: one infinite cache that has seen every earlier request.
-        limit = min(len(hashes), (len(tokens) - 1) // self.config.block_size)
-        n = 0
-        while n < limit and hashes[n] in self._oracle:
-            n += 1
-        req.oracle_blocks = n
-        self._oracle.update(hashes)
+        req.oracle_blocks = self._oracle.observe(hashes, len(tokens))
         route = RouteRequest(block_hashes=hashes, session_id=session.id if self.config.session_ids else None)
         decision = self.router.pick(route, self.replicas)
         req.predicted = decision.predicted_cached_tokens
@@ -496,6 +490,28 @@ class FleetSimulator:
             predicted_cached_tokens=sum(r.predicted for r in done),
             evicted_blocks=sum(r.cache.evicted for r in self.replicas),
         )
+
+
+class PrefixOracle:
+    """The most prefix reuse any router could get: one infinite cache that has seen every earlier
+    request. Benchmarks of the real fleet score their prompts with it too (benchmarks/agent_routing.py)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._seen: set[BlockHash] = set()
+
+    def observe(self, hashes: Sequence[BlockHash], n_tokens: int) -> int:
+        """Blocks of this prompt such a cache holds (as vLLM, never the block of the prompt's last
+        token: that token is always computed), then remember the prompt's blocks."""
+        limit = min(len(hashes), (n_tokens - 1) // self.block_size)
+        n = 0
+        while n < limit and hashes[n] in self._seen:
+            n += 1
+        self._seen.update(hashes)
+        return n
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 def _pct(values: Sequence[float], p: float) -> float:

@@ -359,7 +359,7 @@ class Accounting:
                 tier=ctx.tier, requested_tier=ctx.requested_tier,
                 replica=ctx.replica_name, weight_version=ctx.weight_version,
                 adapter=ctx.adapter.name if ctx.adapter is not None else "",
-                session_id=ctx.session_id or None,
+                session_id=ctx.session_id or None, route=ctx.kind,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
                 latency_ms=round(latency * 1000, 3), status=status))
         if key is not None:

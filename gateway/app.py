@@ -269,6 +269,10 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     async def count_tokens(request: Request) -> Response:
         return await gw.proxy.handle("count_tokens", request.scope, request.receive, request.state.api_key)
 
+    @app.get("/v1/responses/{response_id}", dependencies=inference)
+    async def stored_response(response_id: str) -> Response:
+        return await gw.proxy.stored_response(response_id)
+
     def model_ids() -> list[str]:
         name = config.fleet.model
         return [name, f"{name}:fast"] if gw.fleet.in_tier("fast") else [name]

@@ -91,10 +91,11 @@ class Dashboard:
         if self._ledger_cache and now - self._ledger_cache[0] < LEDGER_CACHE_S:
             return self._ledger_cache[1]
         if self.gw.accounting.ledger is None:  # switched off: the panels stay empty
-            return {"spend": [], "success": []}
+            return {"spend": [], "success": [], "routes": []}
         ledger = await self.gw.accounting.flushed_ledger()
         spend = await ledger.usage(("key_id", "team"))
         success = await ledger.success(("weight_version",))
+        routes = await ledger.usage(("route",))
         views = {
             "spend": [{"key_id": r.group["key_id"] or "anonymous", "team": r.group["team"] or "",
                        "requests": r.requests, "cost_usd": float(r.cost_total),
@@ -104,6 +105,11 @@ class Dashboard:
                          "success_rate": r.success_rate,
                          "usd_per_success": None if r.usd_per_success is None else float(r.usd_per_success),
                          "tokens_per_success": r.tokens_per_success} for r in success],
+            # Per API (chat, completions, responses, messages): agent clients' share and cache reuse.
+            "routes": [{"route": r.group["route"] or "?", "requests": r.requests, "cost_usd": float(r.cost_total),
+                        "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+                        "cached_ratio": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else None}
+                       for r in routes],
         }
         self._ledger_cache = (now, views)
         return views

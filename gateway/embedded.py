@@ -55,12 +55,14 @@ class EmbeddedGateway:
 
 
 class GatewayProcess:
-    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0):
+    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0, port: int | None = None):
         import msgspec
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         config.server.port = self.port
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"gateway-{self.port}.json"

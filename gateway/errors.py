@@ -58,6 +58,10 @@ class PreviousResponseNotFound(NotFound):
     code = "previous_response_not_found"
 
 
+class ResponseNotFound(NotFound):
+    code = "response_not_found"
+
+
 class PayloadTooLarge(APIError):
     status = 413
     code = "payload_too_large"

@@ -14,7 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any, AsyncIterator, Callable
+from urllib.parse import quote
 
+import httpx
 import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
@@ -33,7 +35,7 @@ from .apis import APIS, Api
 from .context import RequestContext, Usage
 from .intake import open_request, parse_request, upstream_payload
 from .config import Config
-from .errors import PayloadTooLarge, PreviousResponseNotFound, ServiceUnavailable, UpstreamError
+from .errors import PayloadTooLarge, PreviousResponseNotFound, ResponseNotFound, ServiceUnavailable, UpstreamError
 from .limits import StreamLimiter, stream_owner
 from .responses import JSONReply, yieldgate_headers
 from .routing import Routing
@@ -147,6 +149,27 @@ class Proxy:
         if ctx.adapter_held and self.adapters is not None:
             ctx.adapter_held = False
             self.adapters.release(ctx.adapter)
+
+    async def stored_response(self, response_id: str) -> Response:
+        """`GET /v1/responses/{id}` (the openai client's responses.retrieve): asked of the replica
+        that stored it, the only engine that has it. Not billed: nothing is generated."""
+        try:
+            replica = await self._stored_on(response_id)
+        except PreviousResponseNotFound as exc:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id") from exc
+        try:
+            # A rare read, not the hot path: one short-lived client instead of the pooled POST path.
+            async with httpx.AsyncClient(timeout=30.0) as http:
+                resp = await http.get(f"{replica.url}/v1/responses/{quote(response_id, safe='')}")
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailable(f"Replica {replica.name}, which stored response '{response_id}', did "
+                                     f"not answer: {type(exc).__name__}.", code="upstream_unavailable") from exc
+        if resp.status_code == 404:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found: replica {replica.name} no "
+                                   "longer has it.", param="response_id")
+        if resp.status_code != 200:
+            return APIS["responses"].upstream_error(resp.status_code, resp.content)
+        return JSONReply(resp.content, [(b"x-yieldgate-replica", replica.name.encode("latin-1"))])
 
     async def _stored_on(self, response_id: str) -> Replica:
         """The replica holding a stored response; 404 when no gateway recorded it or its replica

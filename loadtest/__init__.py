@@ -18,12 +18,15 @@ from .sse import SSEDecoder, SSEEvent
 from .stats import Distribution, distribution, goodput, meets_slo, percentile, throughput_windows
 from .summary import Summary, summarize
 from .target import Target
+from .wire import WIRES, Wire, WireUsage
 from .workload import (
     AgentSessionWorkload,
+    AgentToolsWorkload,
     CodeEditWorkload,
     RandomLengthWorkload,
     Session,
     SharedPrefixWorkload,
+    ToolCall,
     TraceWorkload,
     Turn,
     Workload,
@@ -31,10 +34,10 @@ from .workload import (
 )
 
 __all__ = [
-    "AgentSessionWorkload", "Bounds", "CacheSalt", "CodeEditWorkload", "ConcurrencyLoad", "Distribution",
+    "AgentSessionWorkload", "AgentToolsWorkload", "Bounds", "CacheSalt", "CodeEditWorkload", "ConcurrencyLoad", "Distribution",
     "EngineDelta", "EngineMetricsError", "Load", "LoadTestConfig", "OpenAIClient", "Outcome", "PoissonLoad", "Price", "PriceTable",
     "RandomLengthWorkload", "ReplayLoad", "RequestRecord", "RunResult", "Runner", "SSEDecoder", "SSEEvent",
-    "Session", "SharedPrefixWorkload", "Summary", "SweepLoad", "Target", "TraceWorkload", "Turn", "Workload",
+    "Session", "SharedPrefixWorkload", "Summary", "SweepLoad", "Target", "ToolCall", "TraceWorkload", "Turn", "WIRES", "Wire", "WireUsage", "Workload",
     "WorkloadError", "arun_compare", "arun_load", "distribution", "goodput", "meets_slo", "percentile",
     "print_summary", "ratios", "run_compare", "run_config", "run_load", "summarize", "throughput_windows", "write_outputs",
 ]

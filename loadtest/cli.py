@@ -25,6 +25,7 @@ from .runner import SLO_KEYS, CacheSalt, run_compare
 from .target import Target
 from .workload import (
     AgentSessionWorkload,
+    AgentToolsWorkload,
     CodeEditWorkload,
     RandomLengthWorkload,
     SharedPrefixWorkload,
@@ -38,9 +39,17 @@ app = typer.Typer(add_completion=False, help="Load-test OpenAI-compatible endpoi
 class WorkloadKind(str, Enum):
     shared_prefix = "shared-prefix"
     agent = "agent"
+    agent_tools = "agent-tools"
     random = "random"
     code_edit = "code-edit"
     trace = "trace"
+
+
+class ApiKind(str, Enum):
+    chat = "chat"
+    completions = "completions"
+    responses = "responses"
+    messages = "messages"
 
 
 class LoadKind(str, Enum):
@@ -53,6 +62,7 @@ class LoadKind(str, Enum):
 _WORKLOADS: dict[WorkloadKind, type] = {
     WorkloadKind.shared_prefix: SharedPrefixWorkload,
     WorkloadKind.agent: AgentSessionWorkload,
+    WorkloadKind.agent_tools: AgentToolsWorkload,
     WorkloadKind.random: RandomLengthWorkload,
     WorkloadKind.code_edit: CodeEditWorkload,
     WorkloadKind.trace: TraceWorkload,
@@ -185,7 +195,7 @@ def loadtest(
     input_tokens: Annotated[Optional[int], typer.Option(help="Shortcut for -p input_tokens=N (random).")] = None,
     output_tokens: Annotated[Optional[int], typer.Option(help="Shortcut for -p output_tokens=N.")] = None,
     trace: Annotated[Optional[Path], typer.Option(help="JSONL trace for --workload trace.")] = None,
-    api: Annotated[str, typer.Option(help="chat or completions.")] = "chat",
+    api: Annotated[ApiKind, typer.Option(help="Wire format: chat, completions, responses (OpenAI Responses) or messages (Anthropic Messages).")] = ApiKind.chat,
     stream: Annotated[bool, typer.Option("--stream/--no-stream")] = True,
     ignore_eos: Annotated[bool, typer.Option(help="vLLM: always generate max_tokens.")] = False,
     load: Annotated[LoadKind, typer.Option("--load", "-l")] = LoadKind.concurrency,
@@ -231,7 +241,7 @@ def loadtest(
         if trace is not None:
             params["path"] = str(trace)
         wl = build_workload(workload, params, seed)
-        targets = build_targets(target, list(model or []), list(body or []), api=api, stream=stream,
+        targets = build_targets(target, list(model or []), list(body or []), api=api.value, stream=stream,
                                 api_key=api_key, ignore_eos=ignore_eos)
         ld = build_load(load, concurrency=concurrency, rate=rate, burstiness=burstiness, rates=rates,
                         max_rate=max_rate, max_concurrency=max_concurrency, speedup=speedup)

@@ -1,4 +1,5 @@
-"""Pooled aiohttp client that sends one OpenAI request and times it (streaming or not)."""
+"""Pooled aiohttp client that sends one request and times it (streaming or not), in the target's
+wire format (chat completions, completions, Responses or Messages: loadtest/wire.py)."""
 
 from __future__ import annotations
 
@@ -11,49 +12,8 @@ import msgspec
 
 from .sse import SSEDecoder
 from .target import Target
+from .wire import WIRES, BadAnswer, WireUsage, error_message
 
-
-class _Details(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Cost(msgspec.Struct):
-    total: float | str | None = None  # the gateway writes a Decimal; accept it as number or string
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: _Details | None = None
-    cost: _Cost | float | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    delta: _Delta | None = None
-    message: _Delta | None = None
-    text: str | None = None
-
-
-class _Error(msgspec.Struct):
-    message: str = ""
-    type: str | None = None
-    code: str | int | None = None
-
-
-class _Body(msgspec.Struct):
-    """Both a full response and a stream chunk; unknown fields are ignored on purpose."""
-
-    choices: list[_Choice] = []
-    usage: _Usage | None = None
-    error: _Error | str | None = None
-
-
-_decode_body = msgspec.json.Decoder(_Body).decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -68,26 +28,15 @@ class Outcome(msgspec.Struct, kw_only=True):
     error: str | None = None
     error_detail: str | None = None
     text: str = ""
-    usage: _Usage | None = None
+    usage: WireUsage | None = None
     replica: str | None = None
+    request_id: str | None = None
     weight_version: str | None = None
     predicted_cached_tokens: int | None = None
 
     @property
     def cost(self) -> float | None:
-        c = self.usage.cost if self.usage else None
-        if isinstance(c, _Cost):
-            c = c.total
-        return float(c) if c is not None else None
-
-
-def _choice_text(choice: _Choice) -> str | None:
-    d = choice.delta or choice.message
-    if d is not None:
-        if d.content is not None:
-            return d.content
-        return d.reasoning_content
-    return choice.text
+        return self.usage.cost if self.usage else None
 
 
 class OpenAIClient:
@@ -97,9 +46,14 @@ class OpenAIClient:
         self.target = target
         self._url = target.endpoint
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.wire = WIRES[target.api]
         headers = {"Content-Type": "application/json", **target.headers}
         if target.api_key:
             headers["Authorization"] = f"Bearer {target.api_key}"
+            if target.api == "messages":
+                headers["x-api-key"] = target.api_key  # Anthropic's own header
+        if target.api == "messages":
+            headers.setdefault("anthropic-version", "2023-06-01")
         self._headers = headers
         self._session: aiohttp.ClientSession | None = None
         self._max_connections = max_connections
@@ -117,16 +71,14 @@ class OpenAIClient:
         if self._session is not None:
             await self._session.close()
 
-    def build_body(self, messages: list[dict[str, str]] | None, prompt: str | None, max_tokens: int,
-                   extra: dict[str, Any] | None = None) -> bytes:
+    def build_body(self, messages: list[dict[str, Any]] | None, prompt: str | None, max_tokens: int,
+                   extra: dict[str, Any] | None = None, tools: list[dict] | None = None) -> bytes:
+        """The request in the target's wire format; `prompt` (completions only) overrides the
+        transcript the completions wire would render from `messages`."""
         t = self.target
-        body: dict[str, Any] = {"model": t.model, "max_tokens": max_tokens, "stream": t.stream}
-        if t.api == "chat":
-            body["messages"] = messages
-        else:
+        body = self.wire.body(t.model, messages or [], tools, max_tokens, t.stream, t.include_usage)
+        if prompt is not None and t.api == "completions":
             body["prompt"] = prompt
-        if t.stream and t.include_usage:
-            body["stream_options"] = {"include_usage": True}
         if t.ignore_eos:
             body["ignore_eos"] = True
         if t.extra_body:
@@ -142,13 +94,14 @@ class OpenAIClient:
             async with self._session.post(self._url, data=body) as resp:
                 out.status = resp.status
                 out.replica = resp.headers.get("x-yieldgate-replica")
+                out.request_id = resp.headers.get("x-request-id")
                 out.weight_version = resp.headers.get("x-yieldgate-weight-version")
                 predicted = resp.headers.get("x-yieldgate-predicted-cached-tokens")
                 out.predicted_cached_tokens = int(predicted) if predicted and predicted.isdigit() else None
                 if resp.status != 200:
                     raw = await resp.read()
                     out.error = f"http_{resp.status}"
-                    out.error_detail = _error_message(raw)
+                    out.error_detail = error_message(raw)
                 elif self.target.stream:
                     await self._read_stream(resp, out)
                 else:
@@ -168,16 +121,9 @@ class OpenAIClient:
 
     def _read_body(self, raw: bytes, out: Outcome) -> None:
         try:
-            body = _decode_body(raw)
-        except msgspec.DecodeError as exc:
-            out.error, out.error_detail = "bad_response", str(exc)
-            return
-        if body.error is not None:
-            out.error, out.error_detail = "response_error", _err_text(body.error)
-            return
-        out.usage = body.usage
-        if body.choices:
-            out.text = _choice_text(body.choices[0]) or ""
+            out.text, out.usage = self.wire.answer(raw)
+        except BadAnswer as exc:
+            out.error, out.error_detail = "response_error", str(exc)
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, out: Outcome) -> None:
         decoder = SSEDecoder()
@@ -193,44 +139,30 @@ class OpenAIClient:
             done = self._event(ev.event, ev.data, time.perf_counter(), parts, times, out) or done
         out.text = "".join(parts)
         if out.error is None and not done:
-            out.error, out.error_detail = "incomplete_stream", "stream ended without [DONE]"
+            out.error, out.error_detail = "incomplete_stream", "stream ended without its end event"
 
     def _event(self, name: str, data: bytes, now: float, parts: list[str], times: list[float], out: Outcome) -> bool:
-        if data == b"[DONE]":
-            return True
         if name == "error":
-            out.error, out.error_detail = "stream_error", data.decode(errors="replace")[:500]
+            try:
+                detail = self.wire.event(name, data).error
+            except BadAnswer:
+                detail = None
+            out.error, out.error_detail = "stream_error", (detail or data.decode(errors="replace"))[:500]
             return False
         try:
-            chunk = _decode_body(data)
-        except msgspec.DecodeError as exc:
+            piece = self.wire.event(name, data)
+        except BadAnswer as exc:
             out.error, out.error_detail = "bad_chunk", str(exc)
             return False
-        if chunk.error is not None:
-            out.error, out.error_detail = "stream_error", _err_text(chunk.error)
+        if piece.error is not None:
+            out.error, out.error_detail = "stream_error", piece.error[:500]
             return False
-        if chunk.choices:
-            # Like vllm bench serve: every chunk with choices is a token event; the first is TTFT.
+        if piece.token:
             if out.first_token is None:
                 out.first_token = now
             times.append(now)
-            text = _choice_text(chunk.choices[0])
-            if text:
-                parts.append(text)
-        if chunk.usage is not None:
-            out.usage = chunk.usage
-        return False
-
-
-def _err_text(err: _Error | str) -> str:
-    return err if isinstance(err, str) else err.message
-
-
-def _error_message(raw: bytes) -> str:
-    try:
-        body = _decode_body(raw)
-        if body.error is not None:
-            return _err_text(body.error)[:500]
-    except msgspec.DecodeError:
-        pass
-    return raw[:500].decode(errors="replace")
+            if piece.text:
+                parts.append(piece.text)
+        if piece.usage is not None:
+            out.usage = piece.usage if out.usage is None else out.usage.merged(piece.usage)
+        return piece.done

@@ -32,6 +32,7 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_chars: int = 0
     cost: float | None = None
     cost_source: str | None = None  # "response" (usage.cost.total) or "price_table"
+    request_id: str | None = None  # x-request-id (a yieldgate gateway's ledger key)
     replica: str | None = None  # x-yieldgate-replica (a yieldgate target says who served it)
     weight_version: str | None = None  # x-yieldgate-weight-version
     predicted_cached_tokens: int | None = None  # x-yieldgate-predicted-cached-tokens

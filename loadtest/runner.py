@@ -24,9 +24,12 @@ from .price import PriceTable
 from .record import RequestRecord
 from .summary import Summary, summarize
 from .target import Target
-from .workload import Session, Workload
+from .workload import Session, Turn, Workload
 
 OnRecord = Callable[[RequestRecord], None]
+# Sees each request's conversation (chat messages, before the wire renders it) as it is sent:
+# benchmarks compute the oracle's cached tokens from the exact prompts.
+OnBody = Callable[[Session, int, list[dict[str, Any]]], None]
 SLO_KEYS = frozenset({"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"})  # itl_ms bounds a request's worst gap
 
 
@@ -104,7 +107,9 @@ class Runner:
         on_record: OnRecord | None = None,
         seed: int = 0,
         timeout_s: float = 120.0,
+        on_body: OnBody | None = None,
     ) -> None:
+        self.on_body = on_body
         self.target = target
         self.workload = workload
         self.prices = prices
@@ -248,7 +253,8 @@ class Runner:
 
     async def _session(self, phase: _Phase, session: Session, slot: tuple[int, bool], scheduled: float,
                        sem: asyncio.Semaphore | None = None) -> None:
-        messages: list[dict[str, str]] = []
+        # The conversation as OpenAI chat messages; the target's wire format renders it.
+        messages: list[dict[str, Any]] = []
         if session.system is not None:
             messages.append({"role": "system", "content": self._salt_prefix + session.system})
         for k, turn in enumerate(session.turns):
@@ -259,16 +265,17 @@ class Runner:
                 if got is None:
                     return
                 slot, scheduled = got, time.perf_counter()
-            content = turn.user if turn.tool_output is None else f"{turn.tool_output}\n\n{turn.user}"
-            if not messages and self._salt_prefix:
-                content = self._salt_prefix + content
-            messages.append({"role": "user", "content": content})
-            # OpenAI's `user` names the conversation, so session-affine routers can keep it together.
-            extra = {**self._salt_extra, "user": session.id} if self._salt_extra else {"user": session.id}
-            if self.target.api == "chat":
-                body = self._client.build_body(messages, None, turn.max_tokens, extra)
+            _append_turn(messages, turn, self._salt_prefix)
+            # OpenAI's `user` names the conversation, so session-affine routers can keep it together
+            # (Messages carries it as metadata.user_id).
+            extra: dict[str, Any] = dict(self._salt_extra or {})
+            if self.target.api == "messages":
+                extra["metadata"] = {"user_id": session.id}
             else:
-                body = self._client.build_body(None, _render_prompt(messages), turn.max_tokens, extra)
+                extra["user"] = session.id
+            body = self._client.build_body(messages, None, turn.max_tokens, extra, session.tools)
+            if self.on_body is not None:
+                self.on_body(session, k, messages)
             if sem is not None:
                 async with sem:
                     out = await self._send(body)
@@ -296,7 +303,7 @@ class Runner:
             id=slot[0], target=self.target.label, session=session.id, turn=turn, group=session.group,
             warmup=slot[1], scheduled_s=scheduled - t0, start_s=out.start - t0, end_s=out.end - t0,
             status=out.status, error=out.error, error_detail=out.error_detail, input_tokens_est=est,
-            output_chars=len(out.text), replica=out.replica, weight_version=out.weight_version,
+            output_chars=len(out.text), request_id=out.request_id, replica=out.replica, weight_version=out.weight_version,
             predicted_cached_tokens=out.predicted_cached_tokens,
         )
         if out.error is not None:
@@ -310,10 +317,9 @@ class Runner:
             rec.itl_ms = [(b - a) * 1000.0 for a, b in zip(times, times[1:])]
         usage = out.usage
         if usage is not None:
-            rec.prompt_tokens = usage.prompt_tokens
-            rec.completion_tokens = usage.completion_tokens
-            if usage.prompt_tokens_details is not None:
-                rec.cached_tokens = usage.prompt_tokens_details.cached_tokens
+            rec.prompt_tokens = usage.prompt_tokens if usage.prompt_tokens is not None else est
+            rec.completion_tokens = usage.completion_tokens if usage.completion_tokens is not None else len(times)
+            rec.cached_tokens = usage.cached_tokens
         else:
             rec.completion_tokens = len(times)
             rec.prompt_tokens = est
@@ -331,10 +337,22 @@ class Runner:
         return rec
 
 
-def _render_prompt(messages: list[dict[str, str]]) -> str:
-    """Completions API: a plain transcript; append-only, so multi-turn prefixes stay cacheable."""
-    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n\n".join(parts) + "\n\nAssistant:"
+def _append_turn(messages: list[dict[str, Any]], turn: Turn, salt_prefix: str) -> None:
+    """A turn's new messages: with a tool call, the previous answer becomes the assistant's call and
+    the tool output its result message; without, a tool output is user text before the question."""
+    if turn.tool_call is not None and turn.tool_output is not None:
+        call = turn.tool_call
+        if messages and messages[-1]["role"] == "assistant":
+            messages[-1]["tool_calls"] = [{"id": call.id, "type": "function",
+                                           "function": {"name": call.name, "arguments": call.arguments}}]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": turn.tool_output})
+        content = turn.user
+    else:
+        content = turn.user if turn.tool_output is None else f"{turn.tool_output}\n\n{turn.user}"
+    if not messages and salt_prefix:
+        content = salt_prefix + content
+    if content:
+        messages.append({"role": "user", "content": content})
 
 
 # -- public entry points ------------------------------------------------------------------------
@@ -387,6 +405,7 @@ async def arun_compare(
     on_record: OnRecord | None = None,
     on_phase: Callable[[str, int, int], None] | None = None,
     seed: int = 0,
+    on_body: OnBody | None = None,
 ) -> list[RunResult]:
     """Run the same seeded workload against each target; results in `targets` order.
 
@@ -402,7 +421,7 @@ async def arun_compare(
     for t in targets:
         salt = CacheSalt.random() if cache_salt == "auto" else cache_salt
         runners.append(Runner(t, workload, prices=prices, cache_salt=salt, on_record=on_record, seed=seed,
-                              timeout_s=bounds.timeout_s))
+                              timeout_s=bounds.timeout_s, on_body=on_body))
     plans = [_slices(load, bounds, rounds if order == "interleaved" else 1) for _ in targets]
     n_phases = len(plans[0])
     outputs: list[list[tuple[Summary, list[RequestRecord], float]]] = [[] for _ in targets]

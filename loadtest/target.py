@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from .wire import WIRES
+
 
 class Target(msgspec.Struct, kw_only=True):
     """One variant under test: base URL + model + API flavour + extra body fields.
@@ -17,7 +19,7 @@ class Target(msgspec.Struct, kw_only=True):
     base_url: str
     model: str = "demo"
     name: str = ""
-    api: Literal["chat", "completions"] = "chat"
+    api: Literal["chat", "completions", "responses", "messages"] = "chat"  # the wire format (loadtest/wire.py)
     stream: bool = True
     extra_body: dict[str, Any] = {}
     headers: dict[str, str] = {}
@@ -38,4 +40,4 @@ class Target(msgspec.Struct, kw_only=True):
         base = self.base_url.rstrip("/")
         if not base.endswith("/v1"):
             base += "/v1"
-        return base + ("/chat/completions" if self.api == "chat" else "/completions")
+        return base + WIRES[self.api].path

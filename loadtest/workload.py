@@ -38,6 +38,15 @@ _IDENTIFIERS = (
 ).split()
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """A tool call the client's agent made after the previous answer (scripted: a demo model's
+    own calls are random, and a seeded workload must send the same conversation to every target)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON object, as OpenAI's wire carries it
+
+
 class Turn(msgspec.Struct, frozen=True):
     """One request's worth of new client-side content in a session."""
 
@@ -46,6 +55,9 @@ class Turn(msgspec.Struct, frozen=True):
     input_tokens_est: int  # approximate tokens of the new content (not the whole context)
     tool_output: str | None = None  # simulated tool result, sent before `user` on agent turns
     think_time_s: float = 0.0  # client pause before this turn (agent "thinking" / tool running)
+    # With a call, the previous answer becomes an assistant tool call and `tool_output` its result
+    # message (role tool / function_call_output / tool_result); without, the output is user text.
+    tool_call: ToolCall | None = None
 
 
 class Session(msgspec.Struct, frozen=True):
@@ -54,6 +66,7 @@ class Session(msgspec.Struct, frozen=True):
     system: str | None = None
     group: str = ""  # tenant / category, reported per request
     arrival_s: float | None = None  # trace replay: offset from the start of the run
+    tools: list[dict] | None = None  # OpenAI chat function tools, sent unchanged on every turn
 
 
 class WorkloadError(ValueError):
@@ -196,6 +209,75 @@ class AgentSessionWorkload(_Base, tag="agent"):
                 )
             yield Session(id=f"agent-{i}", system=system, group="agent", turns=turns)
             i += 1
+
+
+def _tool(name: str, description: str, **params: str) -> dict:
+    props = {k: {"type": "string", "description": v} for k, v in params.items()}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": props, "required": list(params)}}}
+
+
+# A coding agent's tool list: fixed and in a fixed order, as a cache-friendly client sends it.
+AGENT_TOOLS: list[dict] = [
+    _tool("read_file", "Read a file of the repository.", path="Path relative to the repository root."),
+    _tool("search_code", "Search the repository for a pattern.", pattern="A regular expression.",
+          glob="Files to search, e.g. *.py."),
+    _tool("run_tests", "Run the test suite or part of it.", selector="A pytest node id or -k expression."),
+    _tool("edit_file", "Replace text in a file.", path="Path relative to the repository root.",
+          old="Text to replace.", new="Replacement text."),
+]
+
+
+class AgentToolsWorkload(_Base, tag="agent_tools"):
+    """An agent with tools: the same tool list on every request, and after each answer a tool call
+    and its result appended to the conversation, then a short follow-up.
+
+    Turn k re-sends the whole conversation (system, tools, task, every earlier answer, call and
+    result), so its prompt is the previous prompt plus the new tail: what prefix caching and
+    cache-aware routing are for. The runner renders it in the target's wire format
+    (chat completions, Responses or Messages).
+    """
+
+    system_tokens: int = 256
+    first_user_tokens: int = 96
+    turns_min: int = 3
+    turns_max: int = 6
+    tool_output_tokens: int = 96
+    followup_tokens: int = 16
+    output_tokens: int = 32
+    think_time_s: float = 0.0  # mean of an exponential pause between turns (the tool running)
+
+    def sessions(self) -> Iterator[Session]:
+        if self.turns_min < 1 or self.turns_max < self.turns_min:
+            raise WorkloadError("need 1 <= turns_min <= turns_max")
+        fixed = self._rng("fixed")
+        system = ("You are a coding agent. Call one tool at a time and explain each step briefly. "
+                  + _text(fixed, self.system_tokens, self.words_per_token))
+        rng = self._rng("stream")
+        i = 0
+        while True:
+            sid = f"tools-{i}"
+            n = rng.randint(self.turns_min, self.turns_max)
+            turns = [Turn(user="Task: " + _text(rng, self.first_user_tokens, self.words_per_token),
+                          max_tokens=self.output_tokens, input_tokens_est=self.first_user_tokens)]
+            for k in range(1, n):
+                call = self._call(rng, f"call_{sid}_{k}")
+                think = rng.expovariate(1.0 / self.think_time_s) if self.think_time_s > 0 else 0.0
+                turns.append(Turn(
+                    user=_text(rng, self.followup_tokens, self.words_per_token),
+                    tool_output=_text(rng, self.tool_output_tokens, self.words_per_token),
+                    tool_call=call, max_tokens=self.output_tokens, think_time_s=think,
+                    input_tokens_est=self.tool_output_tokens + self.followup_tokens,
+                ))
+            yield Session(id=sid, system=system, group="agent_tools", turns=turns, tools=AGENT_TOOLS)
+            i += 1
+
+    @staticmethod
+    def _call(rng: random.Random, call_id: str) -> ToolCall:
+        tool = rng.choice(AGENT_TOOLS)["function"]
+        args = {k: f"{rng.choice(_IDENTIFIERS)}/{rng.choice(_IDENTIFIERS)}.py" if k == "path"
+                else " ".join(rng.choices(_IDENTIFIERS, k=3)) for k in tool["parameters"]["properties"]}
+        return ToolCall(id=call_id, name=tool["name"], arguments=msgspec.json.encode(args).decode())
 
 
 class RandomLengthWorkload(_Base, tag="random"):
@@ -350,4 +432,5 @@ class TraceWorkload(_Base, tag="trace"):
         return out
 
 
-Workload = SharedPrefixWorkload | AgentSessionWorkload | RandomLengthWorkload | CodeEditWorkload | TraceWorkload
+Workload = (SharedPrefixWorkload | AgentSessionWorkload | AgentToolsWorkload | RandomLengthWorkload
+            | CodeEditWorkload | TraceWorkload)

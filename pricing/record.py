@@ -26,6 +26,7 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     weight_version: str = ""          # what produced the answer; `adapter@version` for a LoRA adapter
     adapter: str = ""                 # the LoRA adapter asked for ("" = the base model)
     session_id: str | None = None
+    route: str = ""                   # the API: chat, completions, responses, messages ("" = not recorded)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

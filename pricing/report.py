@@ -26,7 +26,7 @@ DIMENSIONS: dict[str, Callable[[LedgerRecord], str | None]] = {
     "model": lambda r: r.model, "tier": lambda r: r.tier,
     "requested_tier": lambda r: r.requested_tier or r.tier, "replica": lambda r: r.replica,
     "weight_version": lambda r: r.weight_version, "adapter": lambda r: r.adapter, "session_id": lambda r: r.session_id,
-    "status": lambda r: r.status, "day": _day,
+    "status": lambda r: r.status, "route": lambda r: r.route, "day": _day,
 }
 
 

@@ -151,6 +151,21 @@ def test_previous_response_id_reaches_the_replica_that_stored_it(stack, oai, red
     r.close()
 
 
+def test_responses_retrieve_asks_the_replica_that_stored_it(stack, oai):
+    stored = oai.responses.create(model="demo:fast", input="Remember the word sage.", max_output_tokens=4)
+    request_id = rid("retrieve")
+    raw = oai.responses.with_raw_response.retrieve(stored.id, extra_headers={"x-request-id": request_id})
+    got = raw.parse()
+    # The standard engine never saw it: only routing by the affinity record finds it.
+    assert raw.headers["x-yieldgate-replica"] == "fast-0"
+    assert (got.id, got.output_text, got.usage.output_tokens) == (stored.id, stored.output_text,
+                                                                  stored.usage.output_tokens)
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.responses.retrieve("resp_" + uuid.uuid4().hex)
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("response_not_found", "response_id")
+    assert ledger_rows(stack, request_id, timeout=1) == []  # a read generates nothing: not billed
+
+
 def test_unknown_previous_response_id_is_openai_404(stack, oai):
     request_id = rid("unknown-prev")
     with pytest.raises(openai.NotFoundError) as exc:

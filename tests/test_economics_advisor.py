@@ -81,3 +81,49 @@ def test_reordered_tools_are_reported_as_a_cache_breaker(stack, gateway_factory,
     data = httpx.get(gw.url + "/dashboard/data", headers=auth, timeout=10).json()
     breaker = next(b for b in data["cache_breakers"] if b["key_id"] == "anonymous")
     assert breaker["breaks"] == 3 and breaker["advice"] == report["advice"]
+
+
+def test_agent_routes_are_in_the_ledger_with_their_route_and_feed_the_advisor(stack, gateway_factory, redis_url):
+    """Responses and Messages requests: one ledger row each, labelled with its route, and a clock in
+    a Messages conversation's system prompt is reported like a chat client's."""
+    import csv
+    import io
+
+    from yieldgate.gateway.config import Config, ServerConfig
+    from yieldgate.serving.config import FleetConfig, ReplicaConfig
+
+    admin = "adv-admin-" + uuid.uuid4().hex[:8]
+    gw = gateway_factory(Config(
+        server=ServerConfig(admin_token=admin, redis_url=redis_url),
+        fleet=FleetConfig(model="demo", model_path=str(stack.model_dir), health_interval_s=0.5,
+                          replicas=[ReplicaConfig(name="standard-0", tier="standard", url=stack.engines["standard"])])))
+    session = "adv-msg-" + uuid.uuid4().hex[:8]
+    ids = {}
+    for i in range(4):
+        system = f"Current time: 2026-11-30T12:{i:02d}:{(7 * i) % 60:02d}Z. " + STABLE
+        rid = f"req-adv-msg-{i}-{uuid.uuid4().hex[:8]}"
+        resp = httpx.post(gw.url + "/v1/messages", timeout=60, headers={"x-request-id": rid}, json={
+            "model": "demo", "max_tokens": 1, "system": system, "metadata": {"user_id": session},
+            "messages": [{"role": "user", "content": f"question {i}"}]})
+        assert resp.status_code == 200, resp.text
+        ids[rid] = "messages"
+    rid = "req-adv-resp-" + uuid.uuid4().hex[:8]
+    resp = httpx.post(gw.url + "/v1/responses", timeout=60, headers={"x-request-id": rid}, json={
+        "model": "demo", "max_output_tokens": 1, "instructions": STABLE, "input": "hello", "store": False})
+    assert resp.status_code == 200, resp.text
+    ids[rid] = "responses"
+    auth = {"authorization": f"Bearer {admin}"}
+    deadline = time.monotonic() + 10
+    while True:  # the advisor runs just after the response, on the event loop
+        report = httpx.get(gw.url + "/admin/cache-advisor", params={"key_id": "anonymous"}, headers=auth,
+                           timeout=10).json()["data"][0]
+        if report["breaks"] >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert report["breaks"] == report["volatile_span_breaks"] == 3
+    assert report["lost_tokens"] >= 3 * 100
+    rows = list(csv.DictReader(io.StringIO(httpx.get(gw.url + "/admin/ledger.csv", headers=auth, timeout=30).text)))
+    assert {r["request_id"]: r["route"] for r in rows if r["request_id"] in ids} == ids
+    spend = httpx.get(gw.url + "/admin/spend", params={"group_by": "route"}, headers=auth, timeout=30).json()
+    by_route = {row["group"]["route"]: row["requests"] for row in spend["rows"]}
+    assert by_route.get("messages", 0) >= 4 and by_route.get("responses", 0) >= 1, by_route

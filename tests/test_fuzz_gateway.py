@@ -143,7 +143,7 @@ def test_openapi_document_is_valid_and_publishes_request_bodies(fuzz_gateway):
     labels = {op.label for op in operations}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /healthz",
             "GET /metrics", "GET /admin/fleet", "POST /v1/responses", "POST /v1/messages",
-            "POST /v1/messages/count_tokens", "GET /v1/models/{model_id}"} <= labels
+            "POST /v1/messages/count_tokens", "GET /v1/models/{model_id}", "GET /v1/responses/{response_id}"} <= labels
     doc = httpx.get(fuzz_gateway.url + "/openapi.json").json()
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat == {"$ref": "#/components/schemas/ChatCompletionRequest"}

@@ -330,7 +330,7 @@ def test_stream_parsing_usage_cost_and_error_events():
     out, text, done = _parse_stream(raw)
     assert done and text == "Hello" and out.error is None
     assert out.first_token == 1.0 and out.token_times == [1.0, 2.0, 3.0]
-    assert out.usage.prompt_tokens_details.cached_tokens == 4
+    assert out.usage.cached_tokens == 4
     assert out.cost == pytest.approx(0.0000125)
 
     out, _, done = _parse_stream(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
@@ -354,14 +354,15 @@ def test_non_stream_body_cost_as_number():
 def test_tpot_runs_from_first_to_last_token_not_to_the_end_of_the_stream():
     # vllm bench serve's definition: the usage chunk and [DONE] after the last token are E2E only.
     from yieldgate.loadtest import RandomLengthWorkload, Target
-    from yieldgate.loadtest.client import Outcome, _Usage
+    from yieldgate.loadtest.client import Outcome
+    from yieldgate.loadtest.wire import WireUsage
     from yieldgate.loadtest.runner import Runner, _Phase
     from yieldgate.loadtest.workload import Session
 
     runner = Runner(Target(base_url="http://127.0.0.1:9", model="m", stream=True),
                     RandomLengthWorkload(input_tokens=8, output_tokens=5))
     out = Outcome(start=10.0, end=11.0, first_token=10.1, token_times=[10.1, 10.2, 10.3, 10.4, 10.5],
-                  status=200, usage=_Usage(prompt_tokens=8, completion_tokens=5))
+                  status=200, usage=WireUsage(prompt_tokens=8, completion_tokens=5))
     rec = runner._record(_Phase(None, None, 0, 10.0), Session(id="s", turns=[]), 0, (0, False), 10.0, 8, out)
     assert rec.ttft_ms == pytest.approx(100.0)
     assert rec.e2e_ms == pytest.approx(1000.0)

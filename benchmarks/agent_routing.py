@@ -1,0 +1,161 @@
+"""An agent with tools through the gateway, on two real engines: cached tokens vs the oracle, per
+wire format (chat completions, Responses, Messages) and routing policy.
+
+    yieldgate up -c examples/routing-fleet.toml     # two identical standard engines on 8101/8102
+    python benchmarks/agent_routing.py              # writes benchmarks/results/agent_routing.json
+
+For each wire format and policy: a fresh gateway process whose `standard` tier has both engines
+as replicas (as benchmarks/routing.py), both engines' prefix caches reset, then the load tester's
+`agent-tools` workload (multi-turn sessions re-sending a growing conversation with a fixed tool
+list, tool calls and results) in that wire format, closed loop, fresh cache salt.
+
+The oracle is the simulator's (cache.simulator.PrefixOracle): one infinite cache that has seen
+every earlier request. It scores the exact conversations the load tester sent, real answers
+included, in send order, tokenized by the gateway's chat renderer (identical to the engine's
+/tokenize on agent chats with tools). `ratio_to_oracle` = (cached / prompt tokens measured) /
+(oracle cached / prompt tokens). Responses and Messages requests are rendered as the chat
+conversation they carry; their measured prompt tokens are reported next to the oracle's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from routing import REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, clear_bench_index, two_replica_config  # noqa: E402
+
+from yieldgate.cache.blocks import BlockHashConfig, BlockHasher  # noqa: E402
+from yieldgate.cache.simulator import PrefixOracle  # noqa: E402
+from yieldgate.gateway.embedded import GatewayProcess  # noqa: E402
+from yieldgate.gateway.simulate import demo_tokenizer  # noqa: E402
+from yieldgate.loadtest import (AgentToolsWorkload, Bounds, CacheSalt, ConcurrencyLoad, Runner,  # noqa: E402
+                                Target)
+from yieldgate.loadtest.stats import percentile  # noqa: E402
+from yieldgate.serving.config import kv_events_ipc  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = 32  # the gateway's and the engines' block size (two_replica_config)
+
+
+def workload(seed: int) -> AgentToolsWorkload:
+    return AgentToolsWorkload(seed=seed, system_tokens=300, first_user_tokens=100, turns_min=3, turns_max=6,
+                              tool_output_tokens=100, followup_tokens=20, output_tokens=8,
+                              words_per_token=WORDS_PER_TOKEN)
+
+
+async def one_run(url: str, api: str, policy: str, requests: int, concurrency: int, seed: int,
+                  tokenizer: Any) -> dict[str, Any]:
+    sent: list[tuple[list[dict], list[dict] | None]] = []
+    runner = Runner(Target(base_url=url, model="demo", api=api, name=f"{api}/{policy}"), workload(seed),
+                    cache_salt=CacheSalt.random(), seed=seed,
+                    on_body=lambda s, k, messages: sent.append((json.loads(json.dumps(messages)), s.tools)))
+    async with runner:
+        summary, records, duration = await runner.run_phase(ConcurrencyLoad(concurrency=concurrency),
+                                                            Bounds(requests=requests, timeout_s=120))
+    ok = [r for r in records if r.ok]
+    oracle = PrefixOracle(BLOCK)
+    hasher = BlockHasher(BlockHashConfig(block_size=BLOCK))
+    oracle_prompt = oracle_cached = 0
+    for messages, tools in sent:
+        tokens = tokenizer.encode_chat(messages, tools)
+        oracle_prompt += len(tokens)
+        oracle_cached += oracle.observe(hasher.hashes(tokens), len(tokens)) * BLOCK
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    later = [r for r in ok if r.turn > 0]
+    counts: dict[str, int] = {}
+    for r in ok:
+        counts[r.replica or "?"] = counts.get(r.replica or "?", 0) + 1
+    oracle_ratio = oracle_cached / oracle_prompt if oracle_prompt else 0.0
+    ttft = sorted(r.ttft_ms for r in ok if r.ttft_ms is not None)
+    row = {
+        "api": api, "policy": policy, "requests": len(records), "ok": len(ok),
+        "sessions": len({r.session for r in records}),
+        "prompt_tokens": prompt, "cached_tokens": cached, "cached_ratio": cached / prompt if prompt else 0.0,
+        "later_turns_with_cache_hits": sum(1 for r in later if (r.cached_tokens or 0) > 0) / len(later) if later else None,
+        "oracle_prompt_tokens": oracle_prompt, "oracle_cached_tokens": oracle_cached, "oracle_ratio": oracle_ratio,
+        "ratio_to_oracle": (cached / prompt) / oracle_ratio if oracle_ratio and prompt else None,
+        "client_cost_usd": sum(r.cost or 0.0 for r in ok),
+        "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p90_ms": percentile(ttft, 90) if ttft else None,
+        "duration_s": duration, "requests_per_replica": counts,
+    }
+    print(f"{api:<10} {policy:<12} cached {row['cached_ratio']:.1%} oracle {oracle_ratio:.1%} "
+          f"-> {row['ratio_to_oracle'] or 0:.1%} of oracle; prompt tokens {prompt} (oracle's {oracle_prompt}); "
+          f"{len(ok)}/{len(records)} ok; replicas {counts}", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="http://127.0.0.1:8101,http://127.0.0.1:8102")
+    ap.add_argument("--kv", default=",".join(kv_events_ipc(f"standard-{i}") for i in range(2)),
+                    help="KV-event endpoints of the engines, comma separated ('' for none)")
+    ap.add_argument("--apis", default="chat,responses,messages")
+    ap.add_argument("--policies", default="round_robin,cache_aware")
+    ap.add_argument("--requests", type=int, default=120, help="requests per wire format and policy")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--gateway-port", type=int, default=0, help="0: any free port")
+    ap.add_argument("--redis-url", default=REDIS_URL, help="the gateways' Redis (prefix index)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "agent_routing.json"))
+    args = ap.parse_args()
+
+    engines = args.engines.split(",")
+    kv = args.kv.split(",") if args.kv else [""] * len(engines)
+    pairs = list(zip(engines, kv))
+    from yieldgate.serving.demo_model import ensure_demo_model
+
+    model_path = str(ensure_demo_model())
+    tokenizer = demo_tokenizer(model_path)
+    workdir = Path(tempfile.mkdtemp(prefix="yg-agent-routing-"))
+    load_start = os.getloadavg()[0]
+    started = time.time()
+    rows = []
+    for api in args.apis.split(","):
+        for i, policy in enumerate(args.policies.split(",")):
+            clear_bench_index(args.redis_url)
+            for url in engines:  # every run starts on empty engine caches
+                _reset_prefix_cache(url)
+            gw = GatewayProcess(two_replica_config(policy, pairs, model_path, redis_url=args.redis_url, tag=f"a{i}",
+                                                   data_dir=str(workdir / f"{api}-{policy}")),
+                                workdir, port=args.gateway_port or None)
+            try:
+                time.sleep(1.5)  # first health check and scrape; KV-event subscribers connect
+                rows.append(asyncio.run(one_run(gw.url, api, policy, args.requests, args.concurrency, args.seed,
+                                                tokenizer)))
+            finally:
+                gw.stop()
+                clear_bench_index(args.redis_url)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    doc = {
+        "meta": {
+            "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
+                        "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
+            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per wire format "
+                    f"and policy; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
+            "command": "python benchmarks/agent_routing.py " + " ".join(sys.argv[1:]),
+            "workload": workload(args.seed).describe(),
+            "oracle": "cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)",
+        },
+        "runs": rows,
+    }
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
