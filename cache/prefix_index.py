@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -159,6 +159,25 @@ class PrefixIndex:
     def blocks(self, replica: str) -> list[BlockHash]:
         """Oldest first."""
         return list(self._blocks.get(replica, ()))
+
+    def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
+        """The blocks `replica` would evict, oldest first, if `new_blocks` more arrived now: its LRU
+        head past its capacity. Blocks in `keep` (the request's own prefix, touched, not evicted) are
+        skipped."""
+        lru = self._blocks.get(replica)
+        if not lru or new_blocks <= 0:
+            return []
+        over = len(lru) + new_blocks - self.capacity(replica)
+        out: list[BlockHash] = []
+        if over <= 0:
+            return out
+        for h in lru:
+            if h in keep:
+                continue
+            out.append(h)
+            if len(out) >= over:
+                break
+        return out
 
     def stats(self) -> IndexStats:
         replicas = {r: len(lru) for r, lru in self._blocks.items()}
@@ -310,6 +329,9 @@ class SharedPrefixIndex:
 
     def blocks(self, replica: str) -> list[BlockHash]:
         return self.local.blocks(replica)
+
+    def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
+        return self.local.eviction_victims(replica, new_blocks, keep)
 
     def capacity(self, replica: str) -> int:
         return self.local.capacity(replica)
