@@ -34,6 +34,13 @@ a cold request's TTFT whatever the policy):
         --rounds 6 --cold-phases --policies round_robin,cache_aware \
         --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
+routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
+`--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.
+routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent
+sessions, vs round robin, least loaded and consistent hashing:
+    python benchmarks/routing.py --zipf 1.0 --sim-tenants 1000 --sim-kv-blocks 512 --sim-requests 6000 \
+        --rates 100,200,400 --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict \
+        --out benchmarks/results/routing-zipf64
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
