@@ -58,6 +58,8 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
         self._capacity: dict[str, int] = {}
         self._total = 0
+        # block -> replicas holding it: "does anyone else hold this?" in O(1) for the eviction scorer
+        self._holders: dict[BlockHash, int] = {}
         self._counters = {"recorded": 0, "stored": 0, "removed": 0, "evicted": 0, "cleared": 0}
 
     # -- writes ---------------------------------------------------------
@@ -86,6 +88,7 @@ class PrefixIndex:
         for h in block_hashes:
             if lru.pop(h, 0) is None:
                 self._total -= 1
+                self._unhold(h)
                 self._counters["removed"] += 1
 
     def clear(self, replica: str) -> None:
@@ -93,6 +96,8 @@ class PrefixIndex:
         lru = self._blocks.pop(replica, None)
         if lru:
             self._total -= len(lru)
+            for h in lru:
+                self._unhold(h)
         self._counters["cleared"] += 1
 
     def forget_replica(self, replica: str) -> None:
@@ -113,6 +118,7 @@ class PrefixIndex:
             else:
                 lru[h] = None
                 new.append(h)
+                self._holders[h] = self._holders.get(h, 0) + 1
         if new:
             self._total += len(new)
             self._evict(replica)
@@ -125,14 +131,21 @@ class PrefixIndex:
             return
         over = len(lru) - self.capacity(replica)
         for _ in range(max(0, over)):
-            lru.popitem(last=False)
+            self._unhold(lru.popitem(last=False)[0])
         evicted = max(0, over)
         while self._total - evicted > self.config.max_total_blocks:
             biggest = max(self._blocks.values(), key=len)
-            biggest.popitem(last=False)
+            self._unhold(biggest.popitem(last=False)[0])
             evicted += 1
         self._total -= evicted
         self._counters["evicted"] += evicted
+
+    def _unhold(self, h: BlockHash) -> None:
+        n = self._holders.get(h, 0) - 1
+        if n > 0:
+            self._holders[h] = n
+        else:
+            self._holders.pop(h, None)
 
     # -- reads ----------------------------------------------------------
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -159,6 +172,10 @@ class PrefixIndex:
     def blocks(self, replica: str) -> list[BlockHash]:
         """Oldest first."""
         return list(self._blocks.get(replica, ()))
+
+    def holders(self, block_hash: BlockHash) -> int:
+        """How many replicas hold `block_hash`."""
+        return self._holders.get(block_hash, 0)
 
     def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
         """The blocks `replica` would evict, oldest first, if `new_blocks` more arrived now: its LRU
@@ -332,6 +349,9 @@ class SharedPrefixIndex:
 
     def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
         return self.local.eviction_victims(replica, new_blocks, keep)
+
+    def holders(self, block_hash: BlockHash) -> int:
+        return self.local.holders(block_hash)
 
     def capacity(self, replica: str) -> int:
         return self.local.capacity(replica)

@@ -57,7 +57,7 @@ class RouteContext(msgspec.Struct):
 class PrefixIndexView(Protocol):
     """What scorers may ask the prefix index beyond `matches` (cache.PrefixIndex satisfies it)."""
 
-    def holds(self, replica: str, block_hash: BlockHash) -> bool: ...
+    def holders(self, block_hash: BlockHash) -> int: ...
 
     def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]: ...
 
@@ -207,7 +207,7 @@ class EvictionScorer:
     """Minus the cached blocks a pick would destroy: under KV pressure, prefilling a request's
     missing blocks on a replica whose cache is full evicts that replica's least recently used
     blocks (predicted from the index's LRU and the replica's KV capacity), and a victim no other
-    candidate holds is a future hit lost. Sending a request cold to a less loaded replica then
+    replica holds is a future hit lost. Sending a request cold to a less loaded replica then
     costs more than its own prefill: it pushes another prefix out. 0 everywhere while caches
     have room, so it changes nothing until they fill."""
 
@@ -220,8 +220,7 @@ class EvictionScorer:
         out = {}
         for c in candidates:
             victims = index.eviction_victims(c.name, n - ctx.matches.get(c.name, 0), keep)
-            others = [o.name for o in candidates if o is not c]
-            out[c.name] = -float(sum(1 for h in victims if not any(index.holds(o, h) for o in others)))
+            out[c.name] = -float(sum(1 for h in victims if index.holders(h) <= 1))
         return out
 
 

@@ -102,3 +102,19 @@ def test_zipf_tenant_popularity_makes_a_few_tenants_hot_and_zero_keeps_the_unifo
     # tenant_zipf=0 is the default stream, draw for draw.
     same = SharedPrefixWorkload(tenants=100, prefix_tokens=8, tenant_zipf=0.0).take(50)
     assert [s.group for s in same] == [s.group for s in SharedPrefixWorkload(tenants=100, prefix_tokens=8).take(50)]
+
+
+def test_the_index_counts_each_blocks_holders_through_every_way_a_block_leaves() -> None:
+    index = PrefixIndex()
+    index.set_capacity("a", 3)
+    index.record("a", [1, 2])
+    index.store("b", [2, 3])
+    assert [index.holders(h) for h in (1, 2, 3, 4)] == [1, 2, 1, 0]
+    index.record("a", [5, 6, 7])  # a's capacity 3 evicts 2 and 1 (b still holds 2)
+    assert [index.holders(h) for h in (1, 2, 5)] == [0, 1, 1]
+    index.remove("b", [2])
+    assert index.holders(2) == 0
+    index.clear("b")
+    assert index.holders(3) == 0
+    index.record("a", [5])  # touching a held block is not a second holder
+    assert index.holders(5) == 1
