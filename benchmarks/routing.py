@@ -653,7 +653,8 @@ def main_sim_only(args: argparse.Namespace, argv: list[str]) -> None:
                 f"requests per seed in {args.rounds} rounds, {args.twin_seeds} seeds")
         doc = {"meta": result_meta(command, load), "twin": rows,
                "engine": msgspec.to_builtins(msgspec.structs.replace(engine, kv_capacity_blocks=args.kv_blocks))}
-        plot_twin(rows, out.with_suffix(".png"), f"2 engines x {args.kv_blocks} blocks, {args.tenants} tenants (sim)")
+        plot_twin(rows, out.with_suffix(".png"),
+                  f"2 engines x {args.kv_blocks} blocks, {args.tenants} tenants (sim)")
     else:
         rates = [float(x) for x in args.rates.split(",")]
         rows = run_sim(policies, rates, args.sim_requests, 64, args.sim_tenants, args.sim_kv_blocks, tok, args.seed,

@@ -72,7 +72,8 @@ def test_cache_aware_evict_sends_a_cold_prefix_where_it_destroys_nothing_unique(
     # Whichever replica the tie-break would favour, the new prefix must go to b (a fresh router
     # each time: its recent picks would otherwise start balancing).
     for first in range(90, 110):
-        assert Router("cache_aware_evict", index).pick(RouteRequest(block_hashes=[first, first + 1000, first + 2000]), replicas).replica.name == "b"
+        request = RouteRequest(block_hashes=[first, first + 1000, first + 2000])
+        assert Router("cache_aware_evict", index).pick(request, replicas).replica.name == "b"
 
 
 def test_consistent_hash_sends_a_prefix_home_however_loaded_home_is() -> None:
