@@ -202,7 +202,7 @@ class PrefixIndex:
             replicas=replicas,
             capacity={r: self.capacity(r) for r in set(replicas) | set(self._capacity)},
             total_blocks=self._total,
-            approx_bytes=self._total * _BYTES_PER_ENTRY,
+            approx_bytes=(self._total + len(self._holders)) * _BYTES_PER_ENTRY,  # LRU entries + holder counts
             **self._counters,
         )
 
