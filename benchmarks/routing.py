@@ -34,6 +34,13 @@ a cold request's TTFT whatever the policy):
         --rounds 6 --cold-phases --policies round_robin,cache_aware \
         --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
+routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
+`--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.
+routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent
+sessions, vs round robin, least loaded and consistent hashing:
+    python benchmarks/routing.py --zipf 1.0 --sim-tenants 1000 --sim-kv-blocks 512 --sim-requests 6000 \
+        --rates 100,200,400 --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict \
+        --out benchmarks/results/routing-zipf64
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
@@ -307,6 +314,58 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
     return rows
 
 
+# -- the 2-engine regime in the simulator alone ------------------------------------------------------
+
+def run_twin(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int, tokenizer: Any,
+             seeds: list[int], rounds: int, tenants: int, kv_blocks: int, cold_phases: bool,
+             engine: EngineModel = DEMO_ENGINE) -> list[dict]:
+    """The real run's simulated twin without engines: 2 replicas with `kv_blocks` each (both with KV
+    events), the same workloads, rounds and closed-loop concurrencies, one fixed salt per seed, load
+    and workload (the same for every policy). Averaged over `seeds`: one seed's 180 requests are noisy."""
+    engine = msgspec.structs.replace(engine, kv_capacity_blocks=kv_blocks)
+    rows: list[dict] = []
+    for conc in loads:
+        for policy in policies:
+            name, overrides = parse_policy(policy)
+            router = msgspec.convert({"policy": name, **overrides}, RouterConfig, strict=False)
+            parts: list[PolicyResult] = []
+            for seed in seeds:
+                for k, (workload, n) in enumerate(zip(real_workloads(seed, tenants),
+                                                      [shared_requests, agent_requests])):
+                    salt = f"twin-{seed}-{conc}-{k}"
+                    phases = [n // rounds + (1 if i < n % rounds else 0) for i in range(rounds)]
+                    cfg = SimConfig(policy=name, router=router, replicas=2, arrival="concurrency", concurrency=conc,
+                                    requests=n, phases=[x for x in phases if x > 0], seed=seed, cache_salt=salt,
+                                    scrape_interval_s=1.0, cold_phases=cold_phases, engines=[engine, engine])
+                    parts.append(run_simulation(workload, cfg, prompts=PromptBuilder(tokenizer, salt)))
+            prompt = sum(p.prompt_tokens for p in parts)
+            cached = sum(p.cached_tokens for p in parts)
+            oracle = sum(p.oracle_cached_tokens for p in parts)
+            per_replica: dict[str, int] = {}
+            for p in parts:
+                for r, c in p.requests_per_replica.items():
+                    per_replica[r] = per_replica.get(r, 0) + c
+            mean = sum(per_replica.values()) / max(1, len(per_replica))
+            # Per-seed worst balance: summing seeds would hide one seed's lopsided split.
+            row = {"policy": policy, "concurrency": conc, "requests": sum(p.requests for p in parts),
+                   "seeds": len(seeds), "cached_ratio": cached / prompt if prompt else 0.0,
+                   "oracle_ratio": oracle / prompt if prompt else 0.0,
+                   "ratio_to_oracle": cached / oracle if oracle else 1.0,
+                   "ratio_to_oracle_min_seed": min(
+                       sum(p.cached_tokens for p in parts[i:i + 2]) / max(1, sum(p.oracle_cached_tokens
+                                                                                  for p in parts[i:i + 2]))
+                       for i in range(0, len(parts), 2)),
+                   "ttft_p90_ms_mean": sum(p.ttft_p90_s for p in parts) / len(parts) * 1000,
+                   "load_max_over_mean": max(per_replica.values()) / mean if mean else 1.0,
+                   "tenants": tenants, "kv_capacity_blocks": kv_blocks, "cold_phases": cold_phases}
+            rows.append(row)
+            print(f"twin c={conc} {policy:<40} cached/oracle {row['ratio_to_oracle']:.1%} "
+                  f"(worst seed {row['ratio_to_oracle_min_seed']:.1%}) cached {row['cached_ratio']:.1%} "
+                  f"oracle {row['oracle_ratio']:.1%} ttft p90 {row['ttft_p90_ms_mean']:.0f} ms "
+                  f"load {row['load_max_over_mean']:.2f}", flush=True)
+    return rows
+
+
 # -- simulated large fleet -------------------------------------------------------------------------
 
 def large_mix(seed: int, tenants: int) -> WorkloadMix:
@@ -319,8 +378,19 @@ def large_mix(seed: int, tenants: int) -> WorkloadMix:
     ], seed=seed)
 
 
+def zipf_mix(seed: int, tenants: int, zipf: float) -> WorkloadMix:
+    """large_mix with tenant popularity Zipf(`zipf`): a few hot prefixes, a long tail."""
+    return WorkloadMix([
+        (SharedPrefixWorkload(seed=seed, tenants=tenants, prefix_tokens=1000, users_per_tenant=16,
+                              user_context_tokens=64, suffix_tokens=64, output_tokens=64, tenant_zipf=zipf,
+                              words_per_token=WORDS_PER_TOKEN), 0.75),
+        (AgentSessionWorkload(seed=seed, system_tokens=400, first_user_tokens=200, tool_output_tokens=200,
+                              followup_tokens=40, output_tokens=64, words_per_token=WORDS_PER_TOKEN), 0.25),
+    ], seed=seed)
+
+
 def run_sim(policies: list[str], rates: list[float], requests: int, replicas: int, tenants: int,
-            kv_blocks: int, tokenizer: Any, seed: int) -> list[dict]:
+            kv_blocks: int, tokenizer: Any, seed: int, zipf: float = 0.0) -> list[dict]:
     prompts = PromptBuilder(tokenizer)
     rows = []
     for rate in rates:
@@ -330,7 +400,8 @@ def run_sim(policies: list[str], rates: list[float], requests: int, replicas: in
             cfg = SimConfig(policy=name, router=router, replicas=replicas, requests=requests, rate=rate, seed=seed,
                             session_ids=True, engine=EngineModel(kv_capacity_blocks=kv_blocks))
             t = time.perf_counter()
-            r = run_simulation(large_mix(seed, tenants), cfg, prompts=prompts)
+            mix = zipf_mix(seed, tenants, zipf) if zipf else large_mix(seed, tenants)
+            r = run_simulation(mix, cfg, prompts=prompts)
             row = msgspec.to_builtins(r)
             row.pop("requests_per_replica")
             row["rate"] = rate
@@ -340,6 +411,61 @@ def run_sim(policies: list[str], rates: list[float], requests: int, replicas: in
                   f"load {r.load_max_over_mean:.2f} busy {r.busy_max_over_mean:.2f} "
                   f"({time.perf_counter() - t:.0f}s)", flush=True)
     return rows
+
+
+def result_meta(command: str, load: str) -> dict:
+    import os
+    import subprocess
+
+    return {"commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                     cwd=ROOT).stdout.strip(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
+            "load": load, "command": command}
+
+
+def plot_zipf(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    for ax, key, label, scale in ((axes[0], "ratio_to_oracle", "cached / oracle (%)", 100),
+                                  (axes[1], "ttft_p90_s", "TTFT p90 (ms)", 1000),
+                                  (axes[2], "load_max_over_mean", "max/mean requests per replica", 1)):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = [(r["rate"], r[key] * scale) for r in rows if r["policy"] == policy]
+            ax.plot(*zip(*pts), marker="o", label=policy)
+        if key == "load_max_over_mean":
+            ax.axhline(1.25, color="grey", linestyle="--", linewidth=1, label="goal 1.25")
+        if key != "ratio_to_oracle":
+            ax.set_yscale("log")
+        ax.set_xlabel("offered load (sessions/s)")
+        ax.set_title(f"{title}: {label}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_twin(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, label in ((axes[0], "ratio_to_oracle", "cached / oracle (%)"),
+                           (axes[1], "ttft_p90_ms_mean", "TTFT p90 (ms)")):
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = [(r["concurrency"], r[key] * (100 if key == "ratio_to_oracle" else 1))
+                   for r in rows if r["policy"] == policy]
+            ax.plot(*zip(*pts), marker="o", label=policy)
+        if key == "ratio_to_oracle":
+            ax.axhline(95, color="grey", linestyle="--", linewidth=1, label="goal 95%")
+        ax.set_xlabel("closed-loop concurrency")
+        ax.set_title(f"{title}: {label}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # -- outputs -----------------------------------------------------------------------------------------
@@ -458,7 +584,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--records", default="", help="also write every real request record to this JSONL file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "routing"))
+    ap.add_argument("--twin", action="store_true",
+                    help="the 2-engine regime (--tenants, --loads, --rounds, --cold-phases, --kv-blocks) in the "
+                         "simulator alone, averaged over --twin-seeds; writes only --out")
+    ap.add_argument("--twin-seeds", type=int, default=8)
+    ap.add_argument("--kv-blocks", type=int, default=192, help="--twin: KV blocks per engine")
+    ap.add_argument("--prefill-scale", type=float, default=1.0,
+                    help="--twin: the demo engine's prefill cost times this (3 for the 28 MB model)")
+    ap.add_argument("--zipf", type=float, default=0.0,
+                    help="simulator only: 64 replicas, --sim-tenants tenants with Zipf(--zipf) popularity; "
+                         "writes only --out")
+    ap.add_argument("--sim-tenants", type=int, default=1000)
+    ap.add_argument("--sim-kv-blocks", type=int, default=512)
+    ap.add_argument("--sim-requests", type=int, default=6000)
     args = ap.parse_args(argv)
+    if args.twin or args.zipf:
+        return main_sim_only(args, argv if argv is not None else sys.argv[1:])
 
     from yieldgate.serving.demo_model import ensure_demo_model
 
@@ -489,6 +630,44 @@ def main(argv: list[str] | None = None) -> None:
     plot(real, sim, out.with_suffix(".png"))
     out.with_suffix(".html").write_text(html_table(real, sim, out.name + ".png"))
     print(f"wrote {out}.json/.png/.html")
+
+
+def main_sim_only(args: argparse.Namespace, argv: list[str]) -> None:
+    """--twin or --zipf: one simulated regime, one canonical result file with its meta."""
+    from yieldgate.serving.demo_model import ensure_demo_model
+
+    policies = [p for p in args.policies.split(",") if p]
+    tok = demo_tokenizer(str(ensure_demo_model()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/routing.py " + " ".join(argv)
+    if args.twin:
+        loads = [int(x) for x in args.loads.split(",")]
+        engine = msgspec.structs.replace(DEMO_ENGINE,
+                                         prefill_s_per_token=DEMO_ENGINE.prefill_s_per_token * args.prefill_scale)
+        rows = run_twin(policies, loads, args.shared_requests, args.agent_requests, tok,
+                        list(range(args.seed, args.seed + args.twin_seeds)), args.rounds, args.tenants,
+                        args.kv_blocks, args.cold_phases, engine)
+        load = (f"2 simulated engines x {args.kv_blocks} KV blocks, closed-loop concurrency {args.loads}, "
+                f"{args.tenants} tenants, {args.shared_requests} shared-prefix + {args.agent_requests} agent "
+                f"requests per seed in {args.rounds} rounds, {args.twin_seeds} seeds")
+        doc = {"meta": result_meta(command, load), "twin": rows,
+               "engine": msgspec.to_builtins(msgspec.structs.replace(engine, kv_capacity_blocks=args.kv_blocks))}
+        plot_twin(rows, out.with_suffix(".png"),
+                  f"2 engines x {args.kv_blocks} blocks, {args.tenants} tenants (sim)")
+    else:
+        rates = [float(x) for x in args.rates.split(",")]
+        rows = run_sim(policies, rates, args.sim_requests, 64, args.sim_tenants, args.sim_kv_blocks, tok, args.seed,
+                       zipf=args.zipf)
+        load = (f"64 simulated replicas x {args.sim_kv_blocks} KV blocks, {args.sim_tenants} tenants with "
+                f"Zipf({args.zipf:g}) popularity + 25% agent sessions, Poisson {args.rates} sessions/s, "
+                f"{args.sim_requests} requests per policy and rate")
+        doc = {"meta": result_meta(command, load), "sim": rows,
+               "engine": msgspec.to_builtins(EngineModel(kv_capacity_blocks=args.sim_kv_blocks))}
+        plot_zipf(rows, out.with_suffix(".png"),
+                  f"64 replicas, {args.sim_tenants} tenants, Zipf {args.zipf:g} (sim)")
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}.json/.png")
 
 
 if __name__ == "__main__":

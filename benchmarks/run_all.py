@@ -101,6 +101,18 @@ def routing_sim() -> str:
             f"≈ {100 * sum(rr) / len(rr):.0f}%")
 
 
+def routing_zipf() -> str:
+    sim = load("routing-zipf64")["sim"]
+    ca = [r for r in sim if r["policy"] == "cache_aware"]
+    ch = [r for r in sim if r["policy"] == "consistent_hash"]
+    ratios = [r["ratio_to_oracle"] for r in ca]
+    ca_load = span([r["load_max_over_mean"] for r in ca], lambda v: f"{v:.2f}")
+    ch_load = span([r["load_max_over_mean"] for r in ch], lambda v: f"{v:.1f}")
+    ch_ttft = span([r["ttft_p90_s"] for r in ch], lambda v: f"{v:.0f}")
+    return (f"cache_aware {bold(span(ratios, pct), min(ratios) >= 0.95)} of oracle, max/mean load {ca_load}; "
+            f"consistent hashing: max/mean load {ch_load}, TTFT p90 {ch_ttft} s")
+
+
 def loadtest_vs_vllm() -> str:
     m = load("loadtest_vs_vllm_bench")["median_of_repeats"]
     return (f"req/s {m['request_throughput']['ratio']:.2f}×, mean TTFT {m['mean_ttft_ms']['ratio']:.2f}×, "
@@ -251,6 +263,16 @@ BENCHMARKS = [
               run=["benchmarks/routing.py", "--out", "benchmarks/results/routing-kv1gib"],
               quick=["benchmarks/routing.py", "--no-real", "--quick", "--out", str(SCRATCH / "routing-sim")],
               stack="examples/routing-fleet.toml", files=["routing-kv1gib"]),
+    Benchmark("routing_zipf", "routing, simulated 64 replicas, 1,000 Zipf tenants", "≥ 95%; ≤ 1.25",
+              "`python benchmarks/routing.py --zipf 1.0` ([command](docs/benchmarks.md#routing))", routing_zipf,
+              run=["benchmarks/routing.py", "--zipf", "1.0", "--sim-tenants", "1000", "--sim-kv-blocks", "512",
+                   "--sim-requests", "6000", "--rates", "100,200,400", "--policies",
+                   "round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict",
+                   "--out", "benchmarks/results/routing-zipf64"],
+              quick=["benchmarks/routing.py", "--zipf", "1.0", "--sim-requests", "1500", "--rates", "200",
+                     "--policies", "round_robin,consistent_hash,cache_aware",
+                     "--out", str(SCRATCH / "routing-zipf64")],
+              files=["routing-zipf64"]),
     Benchmark("loadtest_vs_vllm_bench", "load tester vs `vllm bench serve`", "within 10%",
               "`python benchmarks/loadtest_vs_vllm_bench.py`", loadtest_vs_vllm,
               files=["loadtest_vs_vllm_bench"]),

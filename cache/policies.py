@@ -18,8 +18,8 @@ from typing import Literal
 import msgspec
 
 from yieldgate.cache.scorers import (
-    Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker, PrefixCacheScorer, RoundRobinPicker,
-    Scorer, SessionAffinityScorer, ShareFilter,
+    ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
+    PrefixCacheScorer, RoundRobinPicker, Scorer, SessionAffinityScorer, ShareFilter,
 )
 
 # What a part keys on: "tokens" parts make the gateway tokenize and hash the prompt; a pipeline
@@ -123,6 +123,8 @@ register_scorer("kv_cost", lambda c: KVCostScorer(c.overlap_weight, c.queued_req
                                                   c.share_weight), needs="tokens")
 register_scorer("prefix_cache", lambda c: PrefixCacheScorer(), needs="tokens")
 register_scorer("load", lambda c: LoadScorer())
+register_scorer("eviction", lambda c: EvictionScorer(), needs="tokens")
+register_scorer("consistent_hash", lambda c: ConsistentHashScorer(), needs="tokens")
 register_scorer("session_affinity", lambda c: SessionAffinityScorer(), needs="session")
 register_picker("max_score", lambda c: MaxScorePicker())
 register_picker("round_robin", lambda c: RoundRobinPicker())
@@ -131,3 +133,7 @@ register_preset("round_robin", PipelineSpec(picker="round_robin"))
 register_preset("least_loaded", PipelineSpec(scorers=[WeightedScorer("load")]))
 register_preset("session", PipelineSpec(scorers=[WeightedScorer("session_affinity")], fallback="least_loaded"))
 register_preset("cache_aware", PipelineSpec(filters=["hotspot", "share"], scorers=[WeightedScorer("kv_cost")]))
+register_preset("consistent_hash", PipelineSpec(scorers=[WeightedScorer("consistent_hash")]))
+# Opt-in: cache_aware that also counts the cached blocks a pick would evict (docs/routing.md).
+register_preset("cache_aware_evict", PipelineSpec(filters=["hotspot", "share"],
+                                                  scorers=[WeightedScorer("kv_cost"), WeightedScorer("eviction")]))

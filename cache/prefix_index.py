@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -58,6 +58,8 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
         self._capacity: dict[str, int] = {}
         self._total = 0
+        # block -> replicas holding it: "does anyone else hold this?" in O(1) for the eviction scorer
+        self._holders: dict[BlockHash, int] = {}
         self._counters = {"recorded": 0, "stored": 0, "removed": 0, "evicted": 0, "cleared": 0}
 
     # -- writes ---------------------------------------------------------
@@ -86,6 +88,7 @@ class PrefixIndex:
         for h in block_hashes:
             if lru.pop(h, 0) is None:
                 self._total -= 1
+                self._unhold(h)
                 self._counters["removed"] += 1
 
     def clear(self, replica: str) -> None:
@@ -93,6 +96,8 @@ class PrefixIndex:
         lru = self._blocks.pop(replica, None)
         if lru:
             self._total -= len(lru)
+            for h in lru:
+                self._unhold(h)
         self._counters["cleared"] += 1
 
     def forget_replica(self, replica: str) -> None:
@@ -113,6 +118,7 @@ class PrefixIndex:
             else:
                 lru[h] = None
                 new.append(h)
+                self._holders[h] = self._holders.get(h, 0) + 1
         if new:
             self._total += len(new)
             self._evict(replica)
@@ -125,14 +131,21 @@ class PrefixIndex:
             return
         over = len(lru) - self.capacity(replica)
         for _ in range(max(0, over)):
-            lru.popitem(last=False)
+            self._unhold(lru.popitem(last=False)[0])
         evicted = max(0, over)
         while self._total - evicted > self.config.max_total_blocks:
             biggest = max(self._blocks.values(), key=len)
-            biggest.popitem(last=False)
+            self._unhold(biggest.popitem(last=False)[0])
             evicted += 1
         self._total -= evicted
         self._counters["evicted"] += evicted
+
+    def _unhold(self, h: BlockHash) -> None:
+        n = self._holders.get(h, 0) - 1
+        if n > 0:
+            self._holders[h] = n
+        else:
+            self._holders.pop(h, None)
 
     # -- reads ----------------------------------------------------------
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -160,13 +173,36 @@ class PrefixIndex:
         """Oldest first."""
         return list(self._blocks.get(replica, ()))
 
+    def holders(self, block_hash: BlockHash) -> int:
+        """How many replicas hold `block_hash`."""
+        return self._holders.get(block_hash, 0)
+
+    def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
+        """The blocks `replica` would evict, oldest first, if `new_blocks` more arrived now: its LRU
+        head past its capacity. Blocks in `keep` (the request's own prefix, touched, not evicted) are
+        skipped."""
+        lru = self._blocks.get(replica)
+        if not lru or new_blocks <= 0:
+            return []
+        over = len(lru) + new_blocks - self.capacity(replica)
+        out: list[BlockHash] = []
+        if over <= 0:
+            return out
+        for h in lru:
+            if h in keep:
+                continue
+            out.append(h)
+            if len(out) >= over:
+                break
+        return out
+
     def stats(self) -> IndexStats:
         replicas = {r: len(lru) for r, lru in self._blocks.items()}
         return IndexStats(
             replicas=replicas,
             capacity={r: self.capacity(r) for r in set(replicas) | set(self._capacity)},
             total_blocks=self._total,
-            approx_bytes=self._total * _BYTES_PER_ENTRY,
+            approx_bytes=(self._total + len(self._holders)) * _BYTES_PER_ENTRY,  # LRU entries + holder counts
             **self._counters,
         )
 
@@ -310,6 +346,12 @@ class SharedPrefixIndex:
 
     def blocks(self, replica: str) -> list[BlockHash]:
         return self.local.blocks(replica)
+
+    def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
+        return self.local.eviction_victims(replica, new_blocks, keep)
+
+    def holders(self, block_hash: BlockHash) -> int:
+        return self.local.holders(block_hash)
 
     def capacity(self, replica: str) -> int:
         return self.local.capacity(replica)

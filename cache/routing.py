@@ -147,7 +147,7 @@ class Router:
         ctx = RouteContext(request=request, block_hashes=hashes, block_size=self.block_size,
                            matches=matches, loads={c.name: load_of(c) for c in candidates},
                            recent=self.recent.snapshot([c.name for c in candidates]),
-                           pending=self.pending.snapshot(candidates))
+                           pending=self.pending.snapshot(candidates), index=self.index)
         chosen, scores = self.policy.choose(ctx, candidates)
         self.recent.add(chosen.name, len(candidates))
         decision = RouteDecision(replica=chosen, predicted_cached_tokens=matches.get(chosen.name, 0) * self.block_size,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Collection, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -54,6 +54,15 @@ class RouteContext(msgspec.Struct):
     loads: dict[str, float]
     recent: dict[str, float] = {}  # replica -> decayed count of this router's recent picks
     pending: dict[str, float] = {}  # replica -> prefill blocks routed there, first token not back yet
+    index: Any = None  # the router's PrefixIndexView (None without an index), for index-reading parts
+
+
+class PrefixIndexView(Protocol):
+    """What scorers may ask the prefix index beyond `matches` (cache.PrefixIndex satisfies it)."""
+
+    def holders(self, block_hash: BlockHash) -> int: ...
+
+    def eviction_victims(self, replica: str, new_blocks: int, keep: Collection[BlockHash] = ()) -> list[BlockHash]: ...
 
 
 class RecentPicks:
@@ -195,6 +204,41 @@ class KVCostScorer:
                             + (self.share_weight * max(0.0, ctx.recent.get(c.name, 0.0) - mean)
                                / max(mean, self.share_floor) if mean > 0 else 0.0))
         return out
+
+
+class EvictionScorer:
+    """Minus the cached blocks a pick would destroy: under KV pressure, prefilling a request's
+    missing blocks on a replica whose cache is full evicts that replica's least recently used
+    blocks (predicted from the index's LRU and the replica's KV capacity), and a victim no other
+    replica holds is a future hit lost. Sending a request cold to a less loaded replica then
+    costs more than its own prefill: it pushes another prefix out. 0 everywhere while caches
+    have room, so it changes nothing until they fill."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        index: PrefixIndexView | None = ctx.index
+        n = len(ctx.block_hashes)
+        if index is None or not n:
+            return {c.name: 0.0 for c in candidates}
+        keep = set(ctx.block_hashes)
+        out = {}
+        for c in candidates:
+            victims = index.eviction_victims(c.name, n - ctx.matches.get(c.name, 0), keep)
+            out[c.name] = -float(sum(1 for h in victims if index.holders(h) <= 1))
+        return out
+
+
+class ConsistentHashScorer:
+    """Consistent hashing of the prompt's first block (rendezvous): 1 for the prefix's home
+    replica, else 0. A baseline: every request of a prefix goes home however loaded home is,
+    which is what makes a popular prefix's replica a hot spot."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        if not ctx.block_hashes or not candidates:
+            return {c.name: 0.0 for c in candidates}
+        h = ctx.block_hashes[0]
+        key = h if isinstance(h, bytes) else str(h)
+        home = max(candidates, key=lambda c: rendezvous(key, c.name))
+        return {c.name: (1.0 if c is home else 0.0) for c in candidates}
 
 
 class SessionAffinityScorer:

@@ -8,6 +8,7 @@ on identical traffic.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -128,10 +129,15 @@ class SharedPrefixWorkload(_Base, tag="shared_prefix"):
     user_context_tokens: int = 32
     suffix_tokens: int = 64
     output_tokens: int = 64
+    # 0: tenants equally popular; s > 0: tenant k (from 1) is picked with weight 1 / k**s (Zipf),
+    # a few hot prefixes and a long tail, as on a real multi-tenant fleet.
+    tenant_zipf: float = 0.0
 
     def sessions(self) -> Iterator[Session]:
         if self.tenants < 1 or self.users_per_tenant < 1:
             raise WorkloadError("tenants and users_per_tenant must be >= 1")
+        if self.tenant_zipf < 0:
+            raise WorkloadError("tenant_zipf must be >= 0")
         fixed = self._rng("fixed")
         prefixes = [
             f"You are the assistant of tenant {t}. " + _text(fixed, self.prefix_tokens, self.words_per_token)
@@ -142,9 +148,13 @@ class SharedPrefixWorkload(_Base, tag="shared_prefix"):
             for _ in range(self.tenants)
         ]
         rng = self._rng("stream")
+        cum = list(itertools.accumulate(1.0 / (k + 1) ** self.tenant_zipf for k in range(self.tenants)))
         i = 0
         while True:
-            t = rng.randrange(self.tenants)
+            if self.tenant_zipf:
+                t = rng.choices(range(self.tenants), cum_weights=cum)[0]
+            else:
+                t = rng.randrange(self.tenants)
             u = rng.randrange(self.users_per_tenant)
             suffix = _text(rng, self.suffix_tokens, self.words_per_token)
             user = f"[user {u}] {users[t][u]}\n{suffix}"

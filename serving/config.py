@@ -144,7 +144,7 @@ def nameserver_address(spec: str) -> tuple[str, int]:
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
-    policy: str = "cache_aware"   # a preset: round_robin | least_loaded | session | cache_aware
+    policy: str = "cache_aware"   # a preset (cache/policies.py): cache_aware, round_robin, least_loaded, ...
     # Or a pipeline of registered parts (cache/policies.py), labelled `policy` in metrics.
     pipeline: PipelineSpec | None = None
     # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
