@@ -26,14 +26,15 @@ from yieldgate.cache import RouteRequest
 from yieldgate.pricing import ApiKey
 
 from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
-                              UpstreamResponse)
+from yieldgate.serving.upstream import (Endpoint, UpstreamAborted, UpstreamConnectError, UpstreamConnectionError,
+                                       UpstreamPool, UpstreamResponse)
 
 from .accounting import Accounting
 from .affinity import ResponseAffinity
 from .apis import APIS, Api
 from .context import RequestContext, Usage
 from .config import Config
+from .drain import Drain
 from .errors import (InvalidRequest, ModelNotFound, PayloadTooLarge, PreviousResponseNotFound,
                      ServiceUnavailable, UpstreamError, param_from_msgspec)
 from .limits import StreamLimiter, stream_owner
@@ -52,8 +53,11 @@ _RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
 
 class Proxy:
-    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting):
+    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting,
+                 drain: Drain | None = None, instance_id: str = ""):
         self.config = config
+        self.drain = drain or Drain()
+        self._gateway_header = (b"x-yieldgate-gateway", instance_id.encode("latin-1"))
         self.fleet = fleet
         self.routing = routing
         self.accounting = accounting
@@ -355,6 +359,8 @@ class Proxy:
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return api.upstream_error(resp.status, data)
         ended = False
+        # A gateway that stops past its drain ends the stream: the relay sees UpstreamAborted.
+        untrack = self.drain.track(lambda: resp.abort(UpstreamAborted("the gateway is shutting down")))
 
         def end(status: str, usage: Usage | None) -> None:
             # Once per stream, whether the relay ran to the end, failed, or never started because
@@ -363,6 +369,7 @@ class Proxy:
             if ended:
                 return
             ended = True
+            untrack()
             lease.release()
             self.routing.done(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
@@ -420,6 +427,10 @@ class Proxy:
                     tail = prev + block
                     ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
                 status = "upstream_error"
+        except UpstreamAborted as exc:
+            # The gateway stops (drain time over, or a second SIGTERM): billed for what was relayed.
+            status = "shutdown"
+            yield api.stream_error(f"The gateway ended the stream: {exc}.")
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
             self.fleet.set_health(replica, False)
@@ -450,6 +461,7 @@ class Proxy:
             (b"x-yieldgate-replica", ctx.replica_name.encode("latin-1")),
             (b"x-yieldgate-weight-version", ctx.weight_version.encode("latin-1")),
             (b"x-yieldgate-predicted-cached-tokens", b"%d" % ctx.predicted_cached_tokens),
+            self._gateway_header,
         ]
         if ctx.requested_tier:
             headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))

@@ -24,6 +24,7 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     requested_tier: str = ""          # set when another tier served it (failover); "" = tier
     replica: str = ""
     weight_version: str = ""
+    gateway: str = ""                 # the gateway instance that served it (server.instance_id)
     session_id: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
