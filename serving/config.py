@@ -22,6 +22,7 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     """A vLLM OpenAI server that yieldgate starts as a child process."""
 
     port: int
+    host: str = "127.0.0.1"       # the address the engine listens on (a loopback one of its own in tests)
     args: list[str] = []          # extra `vllm serve` arguments
     env: dict[str, str] = {}
     cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
@@ -57,7 +58,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
             return self.url.rstrip("/")
         if self.launch is None:
             raise ValueError(f"replica {self.name!r} needs either url or launch")
-        return f"http://127.0.0.1:{self.launch.port}"
+        return f"http://{self.launch.host}:{self.launch.port}"
 
     @property
     def kv_events(self) -> str:
@@ -165,6 +166,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     replicas: list[ReplicaConfig] = []
     # With no replicas listed, the fleet is the demo fleet: two launched engines on these ports.
     demo_base_port: int = 8101
+    demo_hosts: list[str] = []    # addresses of the demo engines (standard, fast); [] = 127.0.0.1
     demo_engine_args: list[str] = []
     # vLLM's tool-call parser for the demo engines (`--enable-auto-tool-choice --tool-call-parser`);
     # "hermes" reads the <tool_call>{json}</tool_call> blocks the demo chat template renders.
@@ -183,6 +185,8 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
         if not self.replicas and not discovered:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args, self.demo_tool_call_parser)
+            for replica, host in zip(self.replicas, self.demo_hosts):
+                replica.launch.host = host  # type: ignore[union-attr]
         if not self.tiers:
             present = sorted({r.tier for r in self.replicas})
             # Same model on both tiers: each serves the other's requests while it has no replica.
