@@ -69,7 +69,8 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
         return ""
 
 
-DISCOVERY_KINDS = ("static", "dns")
+DISCOVERY_KINDS = ("static", "dns", "kubernetes")
+KUBERNETES_RESOURCES = ("endpointslices", "pods")
 
 
 class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -86,10 +87,20 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout_s: float = 2.0        # per lookup, all nameservers tried
     kv_events_port: int = 0       # engines publish KV events on tcp://<address>:<port>; 0 = none
     cost_per_hour: str = "0"      # USD per discovered replica, a decimal string
+    # kind = "kubernetes": the EndpointSlices (or pods) matching label_selector in namespace,
+    # at the port named port_name (or `port`); api_server "" = in-cluster or $KUBECONFIG.
+    namespace: str = ""
+    label_selector: str = ""      # equality selectors, "app=vllm,tier=standard"
+    port_name: str = ""
+    resource: str = "endpointslices"
+    api_server: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in DISCOVERY_KINDS:
             raise ValueError(f"discovery.kind must be one of {DISCOVERY_KINDS}, not {self.kind!r}")
+        if self.kind == "kubernetes":
+            self._check_kubernetes()
+            return
         if self.kind != "dns":
             return
         if not self.name:
@@ -102,6 +113,18 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"discovery.kv_events_port must be 0-65535, not {self.kv_events_port}")
         for ns in self.nameservers:
             nameserver_address(ns)
+
+    def _check_kubernetes(self) -> None:
+        if not self.namespace or not self.label_selector:
+            raise ValueError("kubernetes discovery needs a namespace and a label_selector")
+        if not self.port_name and not 0 < self.port < 65536:
+            raise ValueError("kubernetes discovery needs a port_name or a port (1-65535)")
+        if self.resource not in KUBERNETES_RESOURCES:
+            raise ValueError(f"discovery.resource must be one of {KUBERNETES_RESOURCES}, not {self.resource!r}")
+        if any("=" not in part or "!" in part for part in self.label_selector.split(",") if part.strip()):
+            raise ValueError(f"label_selector {self.label_selector!r}: only key=value selectors, comma-separated")
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("discovery interval_s and timeout_s must be > 0")
 
 
 def nameserver_address(spec: str) -> tuple[str, int]:
