@@ -305,7 +305,7 @@ class Load:
                 s.detail = f"HTTP {r.status_code}: {r.text[:200]}"
                 return
             done = False
-            for line in r.iter_lines():
+            for line in sse_lines(r):
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: "):
@@ -318,6 +318,17 @@ class Load:
             s.ok = done and s.cost is not None and not s.detail
             if not s.ok and not s.detail:
                 s.detail = "stream ended without usage and [DONE]"
+
+
+def sse_lines(r: httpx.Response):
+    """Lines split on "\n" only: httpx's iter_lines also splits on U+2028 and friends, which the
+    demo model's gibberish text carries unescaped inside JSON strings."""
+    buffer = b""
+    for chunk in r.iter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.decode()
 
 
 def failures(served: list[Served]) -> list[Served]:

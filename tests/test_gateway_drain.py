@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from multihost import sse_lines
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
@@ -60,7 +61,7 @@ class Stream:
             with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
                 self.request_id = r.headers.get("x-request-id", "")
                 self.gateway = r.headers.get("x-yieldgate-gateway", "")
-                for line in r.iter_lines():
+                for line in sse_lines(r):
                     if not line.startswith("data: "):
                         continue
                     self.first.set()
