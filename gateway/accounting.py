@@ -56,7 +56,7 @@ _DEFAULT_LEDGER = LedgerConfig()
 _TEMPLATE_TOKENS_PER_MESSAGE = 8
 _INITIAL_CHARS_PER_TOKEN = 4.0   # until completed requests calibrate it
 # Statuses of a stream that ended without the engine's usage: billed for the tokens relayed.
-_ESTIMATED = ("aborted", "upstream_error")
+_ESTIMATED = ("aborted", "upstream_error", "shutdown")  # streams cut short: billed on what was relayed
 REDIS_CONNECTIONS = 32
 
 
@@ -161,8 +161,10 @@ class _Children:
 class Accounting:
     """Where requests are authenticated, admitted and, once finished, priced and recorded."""
 
-    def __init__(self, config: "Config", metrics: GatewayMetrics, fleet: Fleet | None = None):
+    def __init__(self, config: "Config", metrics: GatewayMetrics, fleet: Fleet | None = None,
+                 instance_id: str = ""):
         self.config = config
+        self.instance_id = instance_id  # the gateway named in each ledger record
         self.metrics = metrics
         self.fleet = fleet
         pricing = config.pricing
@@ -357,7 +359,7 @@ class Accounting:
                 request_id=ctx.request_id, usage=priced, cost=cost,
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
                 tier=ctx.tier, requested_tier=ctx.requested_tier,
-                replica=ctx.replica_name, weight_version=ctx.weight_version,
+                replica=ctx.replica_name, weight_version=ctx.weight_version, gateway=self.instance_id,
                 adapter=ctx.adapter.name if ctx.adapter is not None else "",
                 session_id=ctx.session_id or None, route=ctx.kind,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),

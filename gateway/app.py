@@ -26,6 +26,7 @@ from .apis import ANTHROPIC, APIS, ROUTES
 from .http import bearer_token
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
+from .drain import Drain, DrainingServer, default_instance_id
 from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
 from .health import build_health_router
 from .metrics import GatewayMetrics
@@ -66,17 +67,20 @@ class Gateway:
 
     def __init__(self, config: Config, supervisor: Supervisor | None = None):
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.instance_id = config.server.instance_id or default_instance_id()
+        self.drain = Drain()  # SIGTERM: not ready, then stop (gateway/drain.py)
+        self.metrics = GatewayMetrics(self.instance_id)
         self.supervisor = supervisor  # the engines `yieldgate up` launched and keeps running
         self._down_reason: dict[str, str] = {}
         if supervisor is not None:
             supervisor.on_event = self._engine_event
         self.fleet = Fleet(config.fleet)
         self.routing = Routing(config, self.fleet)
-        self.accounting = Accounting(config, self.metrics, self.fleet)
+        self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self)
         self.adapters = Adapters(self.fleet)
-        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters)
+        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters, self.drain,
+                           self.instance_id)
         self.weights = WeightOrchestrator(self)
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
@@ -193,6 +197,13 @@ def server_config(asgi: Any, config: Config, **overrides: Any) -> "uvicorn.Confi
     return uvicorn.Config(asgi, **(options | overrides))
 
 
+def draining_server(app: "GatewayApp", config: Config) -> DrainingServer:
+    """The gateway's server for `yieldgate gateway` and `yieldgate up`: SIGTERM drains it."""
+    # No uvicorn timeout around the stop: DrainingServer ends what is left itself.
+    uv = server_config(app, config, timeout_graceful_shutdown=None)
+    return DrainingServer(uv, app.gateway.drain, config.server.drain_s, config.server.stop_timeout_s)
+
+
 def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayApp:
     check_exposure(config)
     gw = Gateway(config, supervisor)
@@ -292,5 +303,5 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
             raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
         return Response(_encode(card), media_type="application/json")
 
-    app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status))
+    app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status, gw.drain))
     return app

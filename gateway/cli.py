@@ -37,16 +37,14 @@ def _load(config_path: Optional[Path]) -> Config:
 
 
 def _serve(config: Config, supervisor=None) -> None:
-    import uvicorn
-
-    from .app import InsecureConfig, create_app, server_config
+    from .app import InsecureConfig, create_app, draining_server
 
     try:
         asgi = create_app(config, supervisor=supervisor)
     except InsecureConfig as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    uvicorn.Server(server_config(asgi, config)).run()
+    draining_server(asgi, config).run()
 
 
 @model_app.command("make")

@@ -40,10 +40,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # feedback answer 503), or no Prometheus request/token/cost series.
     ledger: bool = True
     request_metrics: bool = True
+    # Names this gateway in every ledger record, the x-yieldgate-gateway header and
+    # yieldgate_gateway_info; "" = "<hostname>-<pid>". Several gateways may share one Redis.
+    instance_id: str = ""
+    # SIGTERM: /readyz answers 503 at once while the listener keeps accepting for drain_s (the
+    # load balancer's time to notice), then in-flight requests get stop_timeout_s to finish; past
+    # that, or on a second SIGTERM, streams are ended with an error event (billed for what was
+    # relayed). Ctrl-C (SIGINT) skips the drain_s window.
+    drain_s: float = 5.0
+    stop_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.keep_alive_s <= 0:
             raise ValueError(f"server.keep_alive_s must be > 0, not {self.keep_alive_s}")
+        if self.drain_s < 0 or self.stop_timeout_s < 0:
+            raise ValueError("server.drain_s and server.stop_timeout_s must be >= 0")
         # Keys, budgets and rate limits live in Redis: there is no Redis-less mode to fall back to.
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"server.redis_url must be a redis://, rediss:// or unix:// URL, not {self.redis_url!r}")

@@ -55,15 +55,17 @@ class EmbeddedGateway:
 
 
 class GatewayProcess:
-    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0, port: int | None = None):
+    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0, port: int = 0):
+        """On config.server.host (a loopback address of its own can stand for a host of its own),
+        on `port` or a free one."""
         import msgspec
 
-        if port is None:
+        host = config.server.host
+        if not port:
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
+                s.bind((host, 0))
                 port = s.getsockname()[1]
-        self.port = port
-        config.server.port = self.port
+        config.server.port = self.port = port
         workdir.mkdir(parents=True, exist_ok=True)
         config_path = workdir / f"gateway-{self.port}.json"
         config_path.write_bytes(msgspec.json.encode(config))
@@ -74,7 +76,7 @@ class GatewayProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen([sys.executable, "-c", code, str(config_path)], cwd=root,
                                             stdout=log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         deadline = time.monotonic() + start_timeout_s
         while not serves_a_tier(self.url):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -83,8 +85,9 @@ class GatewayProcess:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        """Ctrl-C semantics (SIGINT): requests in flight finish, without SIGTERM's accepting window."""
         if self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:

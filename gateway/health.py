@@ -9,6 +9,7 @@ from starlette.responses import Response
 
 from yieldgate.serving.fleet import Fleet
 
+from .drain import Drain
 from .http import json_response
 from .metrics import GatewayMetrics
 
@@ -27,7 +28,7 @@ def tier_health(fleet: Fleet) -> tuple[dict[str, dict[str, Any]], list[str]]:
 
 
 def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
-                        engine_status: Callable[[], dict[str, dict[str, Any]]]) -> APIRouter:
+                        engine_status: Callable[[], dict[str, dict[str, Any]]], drain: Drain) -> APIRouter:
     router = APIRouter()
 
     @router.get("/healthz")
@@ -49,10 +50,12 @@ def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
     @router.get("/readyz")
     async def readyz() -> Response:
         """Readiness (what a load balancer routes by): 200 when every tier's requests can be
-        served, by its own replicas or its fallback tier's; the body names degraded tiers."""
+        served, by its own replicas or its fallback tier's, and the gateway is not draining (SIGTERM);
+        the body names degraded tiers."""
         tiers, down = tier_health(fleet)
-        ready = bool(tiers) and all(h["served_by"] is not None for h in tiers.values())
-        return json_response({"ready": ready, "degraded_tiers": down, "tiers": tiers}, 200 if ready else 503)
+        ready = bool(tiers) and all(h["served_by"] is not None for h in tiers.values()) and not drain.draining
+        return json_response({"ready": ready, "draining": drain.draining, "degraded_tiers": down, "tiers": tiers},
+                             200 if ready else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:
@@ -61,6 +64,7 @@ def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
             metrics.inflight.labels(r.name).set(r.inflight)
         for tier in fleet.tiers():
             metrics.tier_routable.labels(tier).set(sum(r.routable for r in fleet.in_tier(tier)))
+        metrics.draining.set(1 if drain.draining else 0)
         for tier, status in fleet.discovery.status.items():
             metrics.discovery_stale.labels(tier).set(1 if status.stale else 0)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")

@@ -51,9 +51,16 @@ class CounterBatch:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, instance_id: str = "") -> None:
         self.batch = CounterBatch()
         self.registry = r = CollectorRegistry()
+        # Which gateway these series come from, for joins when several share a dashboard:
+        # yieldgate_requests_total * on(instance) group_left(instance_id) yieldgate_gateway_info.
+        self.info = Gauge("yieldgate_gateway_info", "1, labelled with this gateway's instance id",
+                          ["instance_id"], registry=r)
+        self.info.labels(instance_id).set(1)
+        self.draining = Gauge("yieldgate_gateway_draining", "1 once SIGTERM made the gateway drain",
+                              registry=r)
         self.requests = Counter(
             "yieldgate_requests", "Requests by endpoint, tier and HTTP status",
             ["endpoint", "tier", "status"], registry=r)

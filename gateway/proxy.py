@@ -26,8 +26,8 @@ from yieldgate.pricing import ApiKey
 
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.upstream import (Endpoint, UpstreamConnectError, UpstreamConnectionError, UpstreamPool,
-                              UpstreamResponse)
+from yieldgate.serving.upstream import (Endpoint, UpstreamAborted, UpstreamConnectError, UpstreamConnectionError,
+                                       UpstreamPool, UpstreamResponse)
 
 from .accounting import Accounting
 from .affinity import ResponseAffinity
@@ -35,6 +35,7 @@ from .apis import APIS, Api
 from .context import RequestContext, Usage
 from .intake import open_request, parse_request, upstream_payload
 from .config import Config
+from .drain import Drain
 from .errors import PayloadTooLarge, PreviousResponseNotFound, ResponseNotFound, ServiceUnavailable, UpstreamError
 from .limits import StreamLimiter, stream_owner
 from .responses import JSONReply, yieldgate_headers
@@ -52,8 +53,10 @@ _RETRYABLE = (UpstreamConnectionError, TimeoutError)
 
 class Proxy:
     def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting,
-                 adapters: Adapters | None = None):
+                 adapters: Adapters | None = None, drain: Drain | None = None, instance_id: str = ""):
         self.config = config
+        self.drain = drain or Drain()
+        self._gateway_header = (b"x-yieldgate-gateway", instance_id.encode("latin-1"))
         self.fleet = fleet
         self.adapters = adapters
         self.routing = routing
@@ -144,6 +147,10 @@ class Proxy:
             if not streaming:
                 self._let_go(ctx)
 
+    def _headers(self, ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+        """The x-yieldgate-* response headers, with this gateway's instance id."""
+        return [*yieldgate_headers(ctx), self._gateway_header]
+
     def _let_go(self, ctx: RequestContext) -> None:
         """The request no longer needs its adapter version on the engines (once per request)."""
         if ctx.adapter_held and self.adapters is not None:
@@ -208,7 +215,7 @@ class Proxy:
             resp.release()
         if resp.status != 200:
             return api.upstream_error(resp.status, data)
-        return JSONReply(data, yieldgate_headers(ctx))
+        return JSONReply(data, self._headers(ctx))
 
     async def _open(self, ctx: RequestContext, typed: Any, payload: bytes,
                     failed: set[str] | None = None) -> tuple[Replica, UpstreamResponse]:
@@ -295,7 +302,7 @@ class Proxy:
         extra = self.accounting.finish(ctx, usage, "ok")
         api.decorate(answer, ctx, usage, extra)
         await self._remember(ctx, answer)
-        return JSONReply(_encode(answer), yieldgate_headers(ctx))
+        return JSONReply(_encode(answer), self._headers(ctx))
 
     async def _remember(self, ctx: RequestContext, response: Any) -> None:
         """A Responses answer the engine stored: where follow-ups naming it must go."""
@@ -321,6 +328,8 @@ class Proxy:
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return api.upstream_error(resp.status, data)
         ended = False
+        # A gateway that stops past its drain ends the stream: the relay sees UpstreamAborted.
+        untrack = self.drain.track(lambda: resp.abort(UpstreamAborted("the gateway is shutting down")))
 
         def end(status: str, usage: Usage | None) -> None:
             # Once per stream, whether the relay ran to the end, failed, or never started because
@@ -329,6 +338,7 @@ class Proxy:
             if ended:
                 return
             ended = True
+            untrack()
             lease.release()
             self._let_go(ctx)
             self.routing.done(ctx)
@@ -338,7 +348,7 @@ class Proxy:
 
         response = _RelayResponse(self._relay(ctx, api, replica, resp, want_usage, end), end,
                                   media_type="text/event-stream")
-        response.raw_headers += yieldgate_headers(ctx)
+        response.raw_headers += self._headers(ctx)
         response.raw_headers += _STREAM_HEADERS
         return response
 
@@ -387,6 +397,10 @@ class Proxy:
                     tail = prev + block
                     ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
                 status = "upstream_error"
+        except UpstreamAborted as exc:
+            # The gateway stops (drain time over, or a second SIGTERM): billed for what was relayed.
+            status = "shutdown"
+            yield api.stream_error(f"The gateway ended the stream: {exc}.")
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
             self.fleet.set_health(replica, False)

@@ -25,6 +25,7 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     replica: str = ""
     weight_version: str = ""          # what produced the answer; `adapter@version` for a LoRA adapter
     adapter: str = ""                 # the LoRA adapter asked for ("" = the base model)
+    gateway: str = ""                 # the gateway instance that served it (server.instance_id)
     session_id: str | None = None
     route: str = ""                   # the API: chat, completions, responses, messages ("" = not recorded)
     prompt_tokens: int = 0

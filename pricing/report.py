@@ -25,6 +25,7 @@ DIMENSIONS: dict[str, Callable[[LedgerRecord], str | None]] = {
     "key_id": lambda r: r.key_id, "key": lambda r: r.key_id, "team": lambda r: r.team,
     "model": lambda r: r.model, "tier": lambda r: r.tier,
     "requested_tier": lambda r: r.requested_tier or r.tier, "replica": lambda r: r.replica,
+    "gateway": lambda r: r.gateway,
     "weight_version": lambda r: r.weight_version, "adapter": lambda r: r.adapter, "session_id": lambda r: r.session_id,
     "status": lambda r: r.status, "route": lambda r: r.route, "day": _day,
 }

@@ -22,6 +22,7 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     """A vLLM OpenAI server that yieldgate starts as a child process."""
 
     port: int
+    host: str = "127.0.0.1"       # the address the engine listens on (a loopback one of its own in tests)
     args: list[str] = []          # extra `vllm serve` arguments
     env: dict[str, str] = {}
     cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
@@ -77,7 +78,7 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
             return self.url.rstrip("/")
         if self.launch is None:
             raise ValueError(f"replica {self.name!r} needs either url or launch")
-        return f"http://127.0.0.1:{self.launch.port}"
+        return f"http://{self.launch.host}:{self.launch.port}"
 
     @property
     def kv_events(self) -> str:
@@ -88,7 +89,8 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
         return ""
 
 
-DISCOVERY_KINDS = ("static", "dns")
+DISCOVERY_KINDS = ("static", "dns", "kubernetes")
+KUBERNETES_RESOURCES = ("endpointslices", "pods")
 
 
 class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -105,10 +107,20 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     timeout_s: float = 2.0        # per lookup, all nameservers tried
     kv_events_port: int = 0       # engines publish KV events on tcp://<address>:<port>; 0 = none
     cost_per_hour: str = "0"      # USD per discovered replica, a decimal string
+    # kind = "kubernetes": the EndpointSlices (or pods) matching label_selector in namespace,
+    # at the port named port_name (or `port`); api_server "" = in-cluster or $KUBECONFIG.
+    namespace: str = ""
+    label_selector: str = ""      # equality selectors, "app=vllm,tier=standard"
+    port_name: str = ""
+    resource: str = "endpointslices"
+    api_server: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in DISCOVERY_KINDS:
             raise ValueError(f"discovery.kind must be one of {DISCOVERY_KINDS}, not {self.kind!r}")
+        if self.kind == "kubernetes":
+            self._check_kubernetes()
+            return
         if self.kind != "dns":
             return
         if not self.name:
@@ -121,6 +133,18 @@ class DiscoveryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ValueError(f"discovery.kv_events_port must be 0-65535, not {self.kv_events_port}")
         for ns in self.nameservers:
             nameserver_address(ns)
+
+    def _check_kubernetes(self) -> None:
+        if not self.namespace or not self.label_selector:
+            raise ValueError("kubernetes discovery needs a namespace and a label_selector")
+        if not self.port_name and not 0 < self.port < 65536:
+            raise ValueError("kubernetes discovery needs a port_name or a port (1-65535)")
+        if self.resource not in KUBERNETES_RESOURCES:
+            raise ValueError(f"discovery.resource must be one of {KUBERNETES_RESOURCES}, not {self.resource!r}")
+        if any("=" not in part or "!" in part for part in self.label_selector.split(",") if part.strip()):
+            raise ValueError(f"label_selector {self.label_selector!r}: only key=value selectors, comma-separated")
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("discovery interval_s and timeout_s must be > 0")
 
 
 def nameserver_address(spec: str) -> tuple[str, int]:
@@ -185,6 +209,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     replicas: list[ReplicaConfig] = []
     # With no replicas listed, the fleet is the demo fleet: two launched engines on these ports.
     demo_base_port: int = 8101
+    demo_hosts: list[str] = []    # addresses of the demo engines (standard, fast); [] = 127.0.0.1
     demo_engine_args: list[str] = []
     # vLLM's tool-call parser for the demo engines (`--enable-auto-tool-choice --tool-call-parser`);
     # "hermes" reads the <tool_call>{json}</tool_call> blocks the demo chat template renders.
@@ -204,6 +229,8 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
         if not self.replicas and not discovered:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args, self.demo_tool_call_parser)
+            for replica, host in zip(self.replicas, self.demo_hosts):
+                replica.launch.host = host  # type: ignore[union-attr]
         if not self.tiers:
             present = sorted({r.tier for r in self.replicas})
             # Same model on both tiers: each serves the other's requests while it has no replica.

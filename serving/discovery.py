@@ -4,8 +4,8 @@ A `ReplicaSource` answers "which replicas are there now" (`resolve`); `Discovery
 discovered tier's source every `interval_s` and hands the answer to the fleet, which probes new
 replicas before they get traffic and drains the ones that left (serving/fleet.py). A failed or
 unreadable answer keeps the last good set: a DNS outage must never empty a serving fleet.
-Sources: `StaticSource` (a fixed list) and `DnsSource` (A/AAAA + port, or SRV). Another source
-(a Kubernetes Endpoints watch, say) is one more class with `tier`, `label` and `resolve`.
+Sources: `StaticSource` (a fixed list), `DnsSource` (A/AAAA + port, or SRV) and `KubernetesSource`
+(serving/kubernetes.py: EndpointSlices or pods by label selector, watched).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import ipaddress
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 import dns.asyncresolver
 import dns.exception
@@ -25,6 +25,11 @@ import dns.rdatatype
 import dns.resolver
 
 from .config import DiscoveryConfig, FleetConfig, ReplicaConfig, nameserver_address
+from .kubernetes import KubernetesSource
+from .source import DiscoveryError, ReplicaSource, host_port
+
+__all__ = ["Discovery", "DiscoveryError", "DnsSource", "KubernetesSource", "ReplicaSource", "StaticSource",
+           "host_port", "sources_for"]
 
 log = logging.getLogger("yieldgate.discovery")
 
@@ -32,23 +37,6 @@ log = logging.getLogger("yieldgate.discovery")
 Reconcile = Callable[[str, str, list[ReplicaConfig]], Awaitable[None]]
 # (tier, reason) on every failed lookup; reason is a short label: nxdomain, no_answer, timeout, ...
 FailureHook = Callable[[str, str], None]
-
-
-class DiscoveryError(Exception):
-    """A lookup that gave no usable set of replicas. `reason` labels the metric."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-
-
-class ReplicaSource(Protocol):
-    tier: str
-    label: str                    # shown as each replica's source, e.g. "dns:srv:_http._tcp.engines"
-
-    async def resolve(self) -> list[ReplicaConfig]:
-        """The replicas there are now; raises DiscoveryError when that cannot be told."""
-        ...
 
 
 class StaticSource:
@@ -60,9 +48,8 @@ class StaticSource:
     async def resolve(self) -> list[ReplicaConfig]:
         return list(self.replicas)
 
-
-def host_port(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    async def close(self) -> None:
+        pass
 
 
 class DnsSource:
@@ -89,6 +76,9 @@ class DnsSource:
         if not endpoints:
             raise DiscoveryError("empty", f"{self.config.name} lists no replica")
         return [self._replica(address, port) for address, port in sorted(set(endpoints))]
+
+    async def close(self) -> None:
+        pass
 
     def _replica(self, address: str, port: int) -> ReplicaConfig:
         where = host_port(address, port)
@@ -146,14 +136,18 @@ class DnsSource:
             raise DiscoveryError("unreadable", f"{name} {rdtype}: {type(exc).__name__}: {exc}") from None
 
 
+SOURCE_KINDS: dict[str, type] = {"dns": DnsSource, "kubernetes": KubernetesSource}
+
+
 def sources_for(config: FleetConfig) -> list[ReplicaSource]:
     """One source per tier whose replicas are discovered; static tiers need none (their replicas
     are the listed ones, in the fleet from the start)."""
     sources: list[ReplicaSource] = []
     for tier in sorted(config.tiers):
         discovery = config.tiers[tier].discovery
-        if discovery.kind == "dns":
-            sources.append(DnsSource(tier, discovery))
+        kind = SOURCE_KINDS.get(discovery.kind)
+        if kind is not None:
+            sources.append(kind(tier, discovery))
     return sources
 
 
@@ -191,6 +185,8 @@ class Discovery:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for source in self.sources:
+            await source.close()
 
     async def _loop(self, source: ReplicaSource) -> None:
         while True:

@@ -38,7 +38,7 @@ def engine_command(model_path: str, served_name: str, block_size: int, replica: 
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path,
         "--served-model-name", served_name,
-        "--host", "127.0.0.1",
+        "--host", spec.host,
         "--port", str(spec.port),
         "--block-size", str(block_size),
     ]

@@ -48,6 +48,10 @@ class UpstreamConnectError(UpstreamConnectionError):
     """Could not connect: nothing listens there."""
 
 
+class UpstreamAborted(UpstreamConnectionError):
+    """The gateway ended the answer itself (`UpstreamResponse.abort`): no fault of the replica."""
+
+
 class Endpoint:
     """A parsed upstream URL: where to connect and the bytes of the request line and Host header."""
 
@@ -137,6 +141,12 @@ class UpstreamResponse:
 
     close = release
 
+    def abort(self, exc: UpstreamAborted) -> None:
+        """End the answer from outside: the reader gets `exc` once the bytes already here are read,
+        and the connection closes (the engine aborts the request)."""
+        if self._conn is not None:
+            self._conn._abort(exc)
+
     # -- fed by the connection -------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
         self._pieces.append(data)
@@ -192,7 +202,7 @@ class _Connection(asyncio.Protocol):
         if resp is not None and not resp._done:
             if self._headers_done and not self._framed:
                 resp._done = True  # a body delimited by the connection's end
-            else:
+            elif resp._error is None:  # an abort's own reason stays (UpstreamAborted, a bad answer)
                 resp._error = UpstreamConnectionError(
                     "upstream closed the connection" + (f": {exc}" if exc else ""))
         self._wake()

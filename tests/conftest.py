@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # YIELDGATE_TEST_PORT_BASE moves every port of the test stack (two suites on one machine).
 GATEWAY_PORT = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
 ENGINE_BASE_PORT = GATEWAY_PORT + 101
+# Each engine on a loopback address of its own, like engines on hosts of their own (tests/test_multihost.py).
+ENGINE_HOSTS = ("127.0.2.1", "127.0.2.2")
 STARTUP_TIMEOUT_S = 900
 
 
@@ -96,6 +98,7 @@ redis_url = "{redis_url}"
 model = "demo"
 block_size = 32
 demo_base_port = {ENGINE_BASE_PORT}
+demo_hosts = {list(ENGINE_HOSTS)}
 """
 
 
@@ -147,8 +150,8 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     print(f"\n[stack] up in {time.monotonic() - started:.0f}s", file=sys.stderr)
     stack = Stack(
         gateway_url=gateway_url,
-        engines={"standard": f"http://127.0.0.1:{ENGINE_BASE_PORT}",
-                 "fast": f"http://127.0.0.1:{ENGINE_BASE_PORT + 1}"},
+        engines={"standard": f"http://{ENGINE_HOSTS[0]}:{ENGINE_BASE_PORT}",
+                 "fast": f"http://{ENGINE_HOSTS[1]}:{ENGINE_BASE_PORT + 1}"},
         model="demo", model_dir=model_dir,
         kv_events_endpoint=f"ipc://{home / 'run' / 'kv-events-standard-0.sock'}",
         admin_token=admin_token, process=proc, home=home, config_path=config_path,

@@ -350,11 +350,10 @@ async def one_request(client: openai.AsyncOpenAI, i: int) -> Served:
 def test_engines_join_and_leave_a_serving_gateway_as_dns_says(stack, redis_url, tmp_path, dnsmasq,
                                                                gateway_factory, caplog):
     caplog.set_level(logging.WARNING, logger="yieldgate.discovery")
-    port_a = int(stack.engines["standard"].rsplit(":", 1)[1])
-    port_b = int(stack.engines["fast"].rsplit(":", 1)[1])
-    a, b = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"
-    target_a, target_b = (f"engine-a.{ZONE}", port_a), (f"engine-b.{ZONE}", port_b)
-    dnsmasq.start({f"engine-a.{ZONE}": "127.0.0.1", f"engine-b.{ZONE}": "127.0.0.1"}, srv=[target_a])
+    a, b = stack.engines["standard"].removeprefix("http://"), stack.engines["fast"].removeprefix("http://")
+    (host_a, port_a), (host_b, port_b) = a.rsplit(":", 1), b.rsplit(":", 1)
+    target_a, target_b = (f"engine-a.{ZONE}", int(port_a)), (f"engine-b.{ZONE}", int(port_b))
+    dnsmasq.start({f"engine-a.{ZONE}": host_a, f"engine-b.{ZONE}": host_b}, srv=[target_a])
     kv_port = free_port()
     gw = gateway_factory(gateway_config(stack, redis_url, tmp_path, dnsmasq, kv_port))
     fleet, routing = gw.gateway.fleet, gw.gateway.routing
@@ -367,7 +366,7 @@ def test_engines_join_and_leave_a_serving_gateway_as_dns_says(stack, redis_url, 
     assert list(listed) == [a]
     assert listed[a]["source"] == f"dns:srv:{SRV_NAME}" and listed[a]["state"] == "serving"
     assert listed[a]["kv_capacity_blocks"] > 0
-    assert routing.subscribers[a].endpoint == f"tcp://127.0.0.1:{kv_port}"
+    assert routing.subscribers[a].endpoint == f"tcp://{host_a}:{kv_port}"
 
     # DNS adds the second engine: it joins, then gets requests.
     dnsmasq.restart(srv=[target_a, target_b])

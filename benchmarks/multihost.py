@@ -1,0 +1,86 @@
+"""The multi-host drills of tests/test_multihost.py, with a timeline: two gateways (127.0.1.1,
+127.0.1.2), two engines (127.0.2.1, 127.0.2.2), Redis (127.0.3.2) and dnsmasq (127.0.3.1), each
+"host" on a loopback address of its own, a load client spreading streams over the gateways that
+answer /readyz.
+
+    python benchmarks/multihost.py --engines http://127.0.2.1:8101,http://127.0.2.2:8102
+
+The engines are running vLLM engines serving the demo model, each on its own address (e.g.
+`yieldgate up` with `fleet.demo_hosts = ["127.0.2.1", "127.0.2.2"]`). Prints each drill's
+timeline and writes benchmarks/results/multihost.json: requests, failures, time until a new
+engine takes requests, time for a removed one to leave, drain time of a SIGTERMed gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from multihost import (Engine, Fleet, drill_engines, drill_redis, drill_sigkill, drill_sigterm,  # noqa: E402
+                       failures, reconcile, until)
+from yieldgate.serving.demo_model import ensure_demo_model  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", required=True, help="two engine URLs, comma-separated")
+    parser.add_argument("--port-base", type=int, default=int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")))
+    parser.add_argument("--out", default=str(RESULTS / "multihost.json"))
+    args = parser.parse_args()
+    engines = []
+    for url in args.engines.split(","):
+        address, port = url.removeprefix("http://").rsplit(":", 1)
+        engines.append(Engine(address, int(port)))
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="yg-multihost-") as work:
+        fleet = Fleet(Path(work), engines, "demo", ensure_demo_model(), args.port_base)
+        drills = {}
+        try:
+            fleet.start(engines)
+            for i in range(2):
+                until(lambda: fleet.serving(i) == {e.name for e in engines}, f"gateway {i + 1} routes to both")
+            for name, run in (("dns", lambda: drill_engines(fleet, *engines)),
+                              ("sigterm", lambda: drill_sigterm(fleet, 0)),
+                              ("sigkill", lambda: drill_sigkill(fleet, 1)),
+                              ("redis", lambda: drill_redis(fleet))):
+                drill = run()
+                if name != "sigkill":
+                    assert failures(drill.served) == [], [s.detail for s in failures(drill.served)]
+                reconcile(fleet, drill.served, timeout_s=90)
+                summary = drill.summary()
+                summary["reconciled"] = True
+                drills[name] = {k: v for k, v in summary.items() if not k.endswith("_at")}
+                print(f"\n== {name}: {summary['requests']} requests, {summary['failed']} failed")
+                for line in summary["timeline"]:
+                    print("  " + line)
+        finally:
+            fleet.stop()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result = {
+        "meta": {"commit": commit, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "machine": {"cores": os.cpu_count(), "gpu": None,
+                             "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
+                 "load": "4 clients, streamed chat completions of 64 tokens, spread over the ready gateways",
+                 "command": "python benchmarks/multihost.py --engines " + args.engines},
+        "drills": drills,
+        "totals": {"requests": sum(d["requests"] for d in drills.values()),
+                   "failed": sum(d["failed"] for d in drills.values())},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

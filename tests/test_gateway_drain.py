@@ -1,0 +1,192 @@
+"""SIGTERM drains a gateway process in front of the session stack's real engine: readiness turns
+false at once, the listener keeps accepting for server.drain_s, streams in flight finish, the
+ledger journal is flushed into the store, and the process exits 0. A second SIGTERM (or
+server.stop_timeout_s running out) ends the streams still open with an error event and [DONE],
+billed for what was relayed. Every ledger record names the gateway instance that served it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from multihost import sse_lines
+from yieldgate.gateway.config import Config, ServerConfig
+from yieldgate.gateway.embedded import GatewayProcess, http_status
+from yieldgate.serving.config import FleetConfig, ReplicaConfig
+
+ADMIN = "drain-admin-" + uuid.uuid4().hex[:8]
+# Long enough that a stream outlives the accepting window (the demo model decodes a few hundred
+# tokens a second here); ignore_eos makes every stream exactly this long.
+STREAM_TOKENS = 4000
+
+
+def drain_config(stack, redis_url: str, data: Path, instance_id: str, drain_s: float,
+                 stop_timeout_s: float) -> Config:
+    return Config(
+        server=ServerConfig(admin_token=ADMIN, redis_url=redis_url, data_dir=str(data),
+                            instance_id=instance_id, drain_s=drain_s, stop_timeout_s=stop_timeout_s),
+        fleet=FleetConfig(model=stack.model, health_interval_s=0.5, replicas=[
+            ReplicaConfig(name="std", tier="standard", url=stack.engines["standard"])]))
+
+
+@dataclass
+class Stream:
+    """One streamed chat completion read to its end by a thread of its own."""
+
+    url: str
+    i: int
+    request_id: str = ""
+    gateway: str = ""
+    first: threading.Event = field(default_factory=threading.Event)
+    events: list[dict] = field(default_factory=list)
+    done: bool = False           # ended with data: [DONE]
+    error: str = ""              # an error event's message, or the client's exception
+    ended_at: float = 0.0
+
+    def run(self) -> None:
+        body = {"model": "demo", "stream": True, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": f"drain {self.i} {uuid.uuid4().hex}"}]}
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
+                self.request_id = r.headers.get("x-request-id", "")
+                self.gateway = r.headers.get("x-yieldgate-gateway", "")
+                for line in sse_lines(r):
+                    if not line.startswith("data: "):
+                        continue
+                    self.first.set()
+                    if line == "data: [DONE]":
+                        self.done = True
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]["message"]
+                    else:
+                        self.events.append(event)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.first.set()
+            self.ended_at = time.monotonic()
+
+    @property
+    def usage(self) -> dict | None:
+        return next((e["usage"] for e in self.events if e.get("usage")), None)
+
+    @property
+    def token_events(self) -> int:
+        """Events carrying generated tokens: all but the role event and the usage event. (Under
+        load vLLM sends several tokens in one event; a stream cut short is billed per event.)"""
+        return sum(1 for e in self.events if e.get("choices") and "role" not in e["choices"][0]["delta"])
+
+
+def start_streams(url: str, n: int) -> tuple[list[Stream], list[threading.Thread]]:
+    streams = [Stream(url, i) for i in range(n)]
+    threads = [threading.Thread(target=s.run) for s in streams]
+    for t in threads:
+        t.start()
+    for s in streams:
+        assert s.first.wait(60), "a stream never started"
+    return streams, threads
+
+
+def ledger_rows(data: Path) -> dict[str, list[dict]]:
+    """The ledger store (SQLite) as the stopped gateway left it."""
+    with sqlite3.connect(data / "ledger.sqlite3") as db:
+        docs = [json.loads(doc) for (doc,) in db.execute("SELECT doc FROM ledger")]
+    rows: dict[str, list[dict]] = {}
+    for d in docs:
+        rows.setdefault(d["request_id"], []).append(d)
+    return rows
+
+
+def journal_flushed(data: Path) -> bool:
+    """The store confirmed every journal byte: the checkpoint covers the whole journal."""
+    journal = data / "journal"
+    size = (journal / "journal.jsonl").stat().st_size
+    return int((journal / "journal.checkpoint").read_text().strip() or 0) == size
+
+
+def chat(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "during the drain"}]})
+
+
+def test_sigterm_drains_streams_and_flushes_the_ledger(stack, redis_url, tmp_path):
+    data = tmp_path / "data"
+    gw = GatewayProcess(drain_config(stack, redis_url, data, "drain-gw-a", drain_s=6.0, stop_timeout_s=120),
+                        tmp_path / "gw")
+    try:
+        assert http_status(gw.url + "/readyz") == 200
+        streams, threads = start_streams(gw.url, 3)
+        gw.process.send_signal(signal.SIGTERM)
+        # Not ready at once (the load balancer stops sending), still alive.
+        ready = httpx.get(gw.url + "/readyz", timeout=5)
+        assert ready.status_code == 503 and ready.json()["draining"] is True
+        assert httpx.get(gw.url + "/healthz", timeout=5).status_code == 200
+        # The listener still accepts during drain_s: a request that arrives now is served.
+        late = chat(gw.url)
+        assert late.status_code == 200 and late.headers["x-yieldgate-gateway"] == "drain-gw-a"
+        # Then the listener closes; the streams in flight carry on to their end.
+        for _ in range(600):
+            if http_status(gw.url + "/healthz", timeout=0.5) == 0:
+                break
+            time.sleep(0.05)
+        assert http_status(gw.url + "/healthz") == 0, "the listener never closed"
+        assert gw.process.wait(180) == 0
+        for t in threads:
+            t.join(10)
+    finally:
+        gw.stop()
+    for s in streams:
+        assert s.error == "" and s.done, (s.i, s.error)
+        assert s.usage["completion_tokens"] == STREAM_TOKENS
+        assert s.gateway == "drain-gw-a"
+    # Flushed before exit: every request is in the store once, naming the gateway that served it.
+    assert journal_flushed(data)
+    rows = ledger_rows(data)
+    for rid in [s.request_id for s in streams] + [late.headers["x-request-id"]]:
+        assert len(rows[rid]) == 1 and rows[rid][0]["gateway"] == "drain-gw-a" and rows[rid][0]["status"] == "ok"
+    assert {rows[s.request_id][0]["completion_tokens"] for s in streams} == {STREAM_TOKENS}
+
+
+@pytest.mark.parametrize("how", ["second_sigterm", "stop_timeout"])
+def test_a_second_sigterm_or_the_stop_timeout_ends_streams_billed_for_what_was_relayed(how, stack, redis_url,
+                                                                                      tmp_path):
+    data = tmp_path / "data"
+    drain_s, stop_timeout_s = (60.0, 120.0) if how == "second_sigterm" else (0.0, 0.0)
+    gw = GatewayProcess(drain_config(stack, redis_url, data, f"drain-gw-{how}", drain_s, stop_timeout_s),
+                        tmp_path / "gw")
+    try:
+        streams, threads = start_streams(gw.url, 2)
+        gw.process.send_signal(signal.SIGTERM)
+        if how == "second_sigterm":
+            assert httpx.get(gw.url + "/readyz", timeout=5).status_code == 503
+            gw.process.send_signal(signal.SIGTERM)
+        assert gw.process.wait(60) == 0
+        for t in threads:
+            t.join(30)
+    finally:
+        gw.stop()
+    assert journal_flushed(data)
+    rows = ledger_rows(data)
+    for s in streams:
+        # Ended the way OpenAI clients understand: an error event, then [DONE]; no usage event.
+        assert s.done and "shutting down" in s.error and s.usage is None, (s.error, s.done)
+        assert 0 < s.token_events < STREAM_TOKENS
+        record = rows[s.request_id]
+        assert len(record) == 1 and record[0]["status"] == "shutdown"
+        assert record[0]["gateway"] == f"drain-gw-{how}"
+        # Billed for the tokens the client received, no more, no less.
+        assert record[0]["completion_tokens"] == s.token_events
+        assert float(record[0]["cost_total"]) > 0
