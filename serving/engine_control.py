@@ -74,7 +74,10 @@ class EngineControl:
 
     def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, verify=tls_context())
+        # vLLM's server closes a connection idle for 5 s (uvicorn keep-alive); a call on a pooled
+        # connection it has just closed fails with ReadError, so idle connections are dropped first.
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, verify=tls_context(),
+                                       limits=httpx.Limits(keepalive_expiry=1.0))
 
     async def close(self) -> None:
         await self._http.aclose()

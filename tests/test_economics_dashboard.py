@@ -62,14 +62,17 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
                                   {"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]})
             assert resp.status_code == 200
         # Agent clients' routes: the ledger keeps each request's route and the dashboard splits by it.
-        resp = httpx.post(gw.url + "/v1/responses", headers={**key, "x-session-id": session}, timeout=60,
-                          json={"model": "demo", "max_output_tokens": 4, "instructions": system, "input": "q4",
-                                "store": False})
-        assert resp.status_code == 200, resp.text
-        resp = httpx.post(gw.url + "/v1/messages", headers={**key, "x-session-id": session}, timeout=60,
-                          json={"model": "demo", "max_tokens": 4, "system": system,
-                                "messages": [{"role": "user", "content": "q5"}]})
-        assert resp.status_code == 200, resp.text
+        # Two of each: the second reads the first's rendered system prompt from the prefix cache.
+        for q in ("q4", "q4b"):
+            resp = httpx.post(gw.url + "/v1/responses", headers={**key, "x-session-id": session}, timeout=60,
+                              json={"model": "demo", "max_output_tokens": 4, "instructions": system, "input": q,
+                                    "store": False})
+            assert resp.status_code == 200, resp.text
+        for q in ("q5", "q5b"):
+            resp = httpx.post(gw.url + "/v1/messages", headers={**key, "x-session-id": session}, timeout=60,
+                              json={"model": "demo", "max_tokens": 4, "system": system,
+                                    "messages": [{"role": "user", "content": q}]})
+            assert resp.status_code == 200, resp.text
         assert httpx.post(gw.url + "/v1/feedback", headers=key, json={"session_id": session, "passed": True}
                           ).status_code == 200
         # Credentials: none -> 401, a wrong ?token= -> 401; the page and data take the admin token.
@@ -77,10 +80,10 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
         assert httpx.get(gw.url + "/dashboard/data", params={"token": "wrong"}).status_code == 401
         assert httpx.get(gw.url + "/dashboard/data", headers=key).status_code == 401
         data = httpx.get(gw.url + "/dashboard/data", headers=auth).json()
-        assert data["tier_mix"]["standard"]["requests"] == 5 and data["tier_mix"]["fast"]["requests"] == 1
+        assert data["tier_mix"]["standard"]["requests"] == 7 and data["tier_mix"]["fast"]["requests"] == 1
         routes = {r["route"]: r for r in data["routes"]}
-        assert {k: r["requests"] for k, r in routes.items()} == {"chat": 4, "responses": 1, "messages": 1}
-        # The same system prompt: the Responses and Messages requests read it from the prefix cache.
+        assert {k: r["requests"] for k, r in routes.items()} == {"chat": 4, "responses": 2, "messages": 2}
+        # The second Responses and Messages requests read their system prompt from the prefix cache.
         assert routes["responses"]["cached_tokens"] > 0 and routes["messages"]["cached_tokens"] > 0
         assert any(s["team"] == "dash" and s["cost_usd"] > 0 for s in data["spend"])
         time.sleep(1.2)  # a second sample point for the time series
@@ -98,7 +101,7 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
             kpis = driver.execute_script(
                 "return Object.fromEntries([...document.querySelectorAll('#kpis .kpi')].map("
                 "k => [k.querySelector('span').textContent, k.querySelector('b').textContent]))")
-            assert kpis["requests (since start)"] == "6", kpis  # the six requests above, no more
+            assert kpis["requests (since start)"] == "8", kpis  # the eight requests above, no more
             assert kpis["tokens (since start)"] == str(sum(m["tokens"] for m in data["tier_mix"].values())), kpis
             assert not driver.execute_script("return document.cookie")
             assert driver.execute_script("return localStorage.length") == 0
