@@ -89,7 +89,12 @@ class EngineControl:
         await self.close()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        resp = await self._http.request(method, path, **kwargs)
+        try:
+            resp = await self._http.request(method, path, **kwargs)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # The server closed a kept-alive connection as the call went out (its keep-alive
+            # timer and ours raced): sent again once, on a new connection.
+            resp = await self._http.request(method, path, **kwargs)
         if resp.status_code >= 400:
             cls = EngineRefused if is_refusal(resp.text) else EngineCallFailed
             raise cls(self.base_url + path, resp.status_code, resp.text)
