@@ -190,6 +190,17 @@ def picker_overhead() -> str:
             f"+{g['streams_added_ms_p50']:.1f} ms; {failed} failed ([picker.md](docs/picker.md))")
 
 
+def multihost() -> str:
+    d = load("multihost")
+    dr, t = d["drills"], d["totals"]
+    kill = dr["sigkill"]
+    others = t["failed"] - kill["failed"]
+    return (f"{t['requests']:,} requests over 4 drills: {kill['failed']} failed, in flight on the SIGKILLed gateway; "
+            f"{bold(f'{others} failed', others == 0)} elsewhere; "
+            f"new engine in traffic {dr['dns']['admit_s']:.1f} s after its DNS record, removed one gone after "
+            f"{dr['dns']['leave_s']:.1f} s; SIGTERM drain {dr['sigterm']['drain_s']:.1f} s; ledger reconciled")
+
+
 def agent_parity() -> str:
     n = sum(1 for line in (ROOT / "tests" / "data" / "agent_corpus.jsonl").read_text().splitlines() if line.strip())
     return f"{n}/{n} requests identical to vLLM's `/tokenize` (asserted)"
@@ -318,6 +329,10 @@ BENCHMARKS = [
               files=["fuzz"], **suite("test_fuzz_gateway.py")),
     Benchmark("chaos_faults", "engine SIGKILL under load", "0 failed", "`scripts/dev test -k chaos_faults`",
               asserted("0 failed requests; every relayed token billed (asserted)")),
+    Benchmark("multihost", "separate hosts on loopback: 2 gateways, 2 engines, Redis, DNS; drills under load",
+              "0 failed outside the killed gateway; 0 lost", "`python benchmarks/multihost.py`", multihost,
+              run=["benchmarks/multihost.py", "--engines", "http://127.0.2.1:8101,http://127.0.2.2:8102"],
+              stack="examples/multihost.toml", files=["multihost"]),
     Benchmark("engine_crash", "engine SIGKILL, one per tier, 4 clients per tier", "0 failed",
               "`python benchmarks/engine_crash.py`", engine_crash, run=["benchmarks/engine_crash.py"],
               files=["engine_crash"]),
