@@ -122,9 +122,9 @@ def chat(url: str) -> httpx.Response:
         "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "during the drain"}]})
 
 
-@pytest.mark.skip(reason="the gateway process sometimes takes one SIGTERM as two (its log says 'second "
-                         "signal' and it stops at once); until that is understood, the multi-host SIGTERM "
-                         "drill (tests/test_multihost.py) covers the drain")
+@pytest.mark.skip(reason="when the listener stops accepting after a SIGTERM sent right after start-up "
+                         "varies (at once in one run, long after drain_s in another); until that is "
+                         "understood, the multi-host SIGTERM drill (tests/test_multihost.py) covers the drain")
 def test_sigterm_drains_streams_and_flushes_the_ledger(stack, redis_url, tmp_path):
     data = tmp_path / "data"
     gw = GatewayProcess(drain_config(stack, redis_url, data, "drain-gw-a", drain_s=6.0, stop_timeout_s=120),
