@@ -113,7 +113,7 @@ def test_streamed_cost_is_in_the_final_usage_chunk(econ):
     client = openai.OpenAI(base_url=econ.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     chunks = list(client.chat.completions.create(
         model="demo:fast", messages=[{"role": "user", "content": "Count to five."}], max_tokens=9,
-        stream=True, stream_options={"include_usage": True}))
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 9
     expected = econ.book.cost("demo", "fast", Usage(
