@@ -70,7 +70,8 @@ def test_responses_unary_cost_is_the_ledger_cost(stack, oai):
         request_id = rid("resp")
         raw = oai.responses.with_raw_response.create(
             model="demo", instructions=INSTRUCTIONS, input="Which file holds the proxy?",
-            max_output_tokens=5, extra_headers={"x-request-id": request_id})
+            max_output_tokens=5, extra_headers={"x-request-id": request_id},
+            extra_body={"ignore_eos": True})
         resp = raw.parse()
         u = resp.usage
         cost = u.model_extra["cost"]
@@ -88,7 +89,8 @@ def test_responses_unary_cost_is_the_ledger_cost(stack, oai):
 def test_responses_stream_bills_once_and_puts_cost_on_response_completed(stack, oai):
     request_id = rid("resp-stream")
     events = list(oai.responses.create(model="demo:fast", input="Count to five.", max_output_tokens=7,
-                                       stream=True, extra_headers={"x-request-id": request_id}))
+                                       stream=True, extra_headers={"x-request-id": request_id},
+                                       extra_body={"ignore_eos": True}))
     assert events[-1].type == "response.completed"
     deltas = [e for e in events if e.type == "response.output_text.delta"]
     final = events[-1].response
