@@ -16,16 +16,19 @@ assistant answers of agent turns differ in words, not in length).
 
 KV pressure (routing-kv192-t16.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
 demo model, every prefix fits everywhere and round robin finds ~93% of the oracle's cached tokens too.
-The kv192-t16 run caps both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
-replicas' args in routing-fleet.toml), with 16 tenants, KV events from both engines, and both engines'
-prefix caches reset before every phase (otherwise each policy's phase evicts the others' blocks,
-and each phase would start on another policy's leftovers):
-    python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
-        --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
+The kv192-t16 run caps both engines at 192 blocks (examples/routing-fleet-kv192-tiny.toml, started by
+--up), with 16 tenants, KV events from both engines, and both engines' prefix caches reset before
+every phase (otherwise each policy's phase evicts the others' blocks, and each phase would start on
+another policy's leftovers); one load per invocation, merged (--merge), so no run holds the machine
+for long:
+    python benchmarks/routing.py --up examples/routing-fleet-kv192-tiny.toml --no-sim --tenants 16 \
+        --shared-requests 360 --agent-requests 180 --rounds 18 --cold-phases --loads 4,6 \
+        --policies round_robin,cache_aware+queued_request_blocks=4+pending_weight=0.5,cache_aware+queued_request_blocks=2+pending_weight=0.25 \
         --out benchmarks/results/routing-kv192-t16
-routing-kv192-t16-big: the same (round robin vs cache_aware) with a 28 MB generated model (prefill ~0.1 ms
-per token, 3x the tiny model's; same tokenizer): the fleet file examples/routing-fleet-kv192.toml
-(192 blocks per engine, `[fleet.demo_model]` with hidden 384, 4 layers).
+    python benchmarks/routing.py ... --loads 1 --merge     # the same, another load, into the same file
+routing-kv192-t16-big: the same with a 28 MB generated model (prefill ~0.1 ms per token, 3x the tiny
+model's; same tokenizer): --up examples/routing-fleet-kv192.toml (192 blocks per engine,
+`[fleet.demo_model]` with hidden 384, 4 layers) --prefill-scale 3.
 routing (the headline real run, the default --out): that fleet with 6 tenants and 480 requests per policy and
 load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% are, and a p90 is then
 a cold request's TTFT whatever the policy):
