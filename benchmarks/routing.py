@@ -431,6 +431,17 @@ def up_stack(config: str) -> Iterator[list[str]]:
         yield [f"ipc://{home}/run/kv-events-standard-{i}.sock" for i in range(2)]
 
 
+def merge_real(previous: dict, rows: list[dict], run: dict) -> tuple[list[dict], list[dict]]:
+    """--merge: this run's rows replace `previous` result's rows of the same loads, the others stay;
+    the runs' metas (previous ones, then `run`) so that each keeps its own command and machine load."""
+    loads = {r["concurrency"] for r in rows}
+    real = sorted([r for r in previous.get("real", []) if r["concurrency"] not in loads] + rows,
+                  key=lambda r: r["concurrency"])
+    before = previous.get("meta")
+    runs = (before.get("runs") or [before]) if before else []
+    return real, [*runs, run]
+
+
 def result_meta(command: str, load: str) -> dict:
     import os
     import subprocess
@@ -636,8 +647,7 @@ def main(argv: list[str] | None = None) -> None:
     real = previous.get("real", [])
     sim = previous.get("sim", [])
     command = "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    before = previous.get("meta", {})
-    runs = (before.get("runs") or [before]) if args.merge and before else []
+    runs: list[dict] = []
     engines = [(args.standard, args.standard_kv), (args.fast, args.fast_kv)]
     if args.real:
         loads = [int(x) for x in args.loads.split(",")]
@@ -649,10 +659,8 @@ def main(argv: list[str] | None = None) -> None:
                             8 if args.quick else args.agent_requests, engines, model_path, tok, args.seed,
                             rounds=args.rounds, records_path=args.records, tenants=args.tenants,
                             cold_phases=args.cold_phases, engine=engine)
-        # --merge: this run's loads replace the file's rows of the same loads; one meta entry per run.
-        real = [r for r in real if args.merge and r["concurrency"] not in loads] + rows
-        real.sort(key=lambda r: r["concurrency"])
-        runs.append(result_meta(command, f"closed-loop concurrency {args.loads}"))
+        real, runs = merge_real(previous if args.merge else {}, rows,
+                                result_meta(command, f"closed-loop concurrency {args.loads}"))
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
