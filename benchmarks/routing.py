@@ -16,16 +16,19 @@ assistant answers of agent turns differ in words, not in length).
 
 KV pressure (routing-kv192-t16.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
 demo model, every prefix fits everywhere and round robin finds ~93% of the oracle's cached tokens too.
-The kv192-t16 run caps both engines at 192 blocks (add "--num-gpu-blocks-override", "192" to both
-replicas' args in routing-fleet.toml), with 16 tenants, KV events from both engines, and both engines'
-prefix caches reset before every phase (otherwise each policy's phase evicts the others' blocks,
-and each phase would start on another policy's leftovers):
-    python benchmarks/routing.py --no-sim --tenants 16 --shared-requests 120 --agent-requests 60 \
-        --rounds 6 --cold-phases --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock \
+The kv192-t16 run caps both engines at 192 blocks (examples/routing-fleet-kv192-tiny.toml, started by
+--up), with 16 tenants, KV events from both engines, and both engines' prefix caches reset before
+every phase (otherwise each policy's phase evicts the others' blocks, and each phase would start on
+another policy's leftovers); one load per invocation, merged (--merge), so no run holds the machine
+for long:
+    python benchmarks/routing.py --up examples/routing-fleet-kv192-tiny.toml --no-sim --tenants 16 \
+        --shared-requests 360 --agent-requests 180 --rounds 18 --cold-phases --loads 4,6 \
+        --policies round_robin,cache_aware+queued_request_blocks=4+pending_weight=0.5,cache_aware+queued_request_blocks=2+pending_weight=0.25 \
         --out benchmarks/results/routing-kv192-t16
-routing-kv192-t16-big: the same (round robin vs cache_aware) with a 28 MB generated model (prefill ~0.1 ms
-per token, 3x the tiny model's; same tokenizer): the fleet file examples/routing-fleet-kv192.toml
-(192 blocks per engine, `[fleet.demo_model]` with hidden 384, 4 layers).
+    python benchmarks/routing.py ... --loads 1 --merge     # the same, another load, into the same file
+routing-kv192-t16-big: the same with a 28 MB generated model (prefill ~0.1 ms per token, 3x the tiny
+model's; same tokenizer): --up examples/routing-fleet-kv192.toml (192 blocks per engine,
+`[fleet.demo_model]` with hidden 384, 4 layers) --prefill-scale 3.
 routing (the headline real run, the default --out): that fleet with 6 tenants and 480 requests per policy and
 load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% are, and a p90 is then
 a cold request's TTFT whatever the policy):
@@ -58,6 +61,8 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -218,14 +223,15 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
 
 def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_requests: int,
              engines: list[tuple[str, str]], model_path: str, tokenizer: Any, seed: int,
-             rounds: int = 4, records_path: str = "", tenants: int = 4, cold_phases: bool = False) -> list[dict]:
+             rounds: int = 4, records_path: str = "", tenants: int = 4, cold_phases: bool = False,
+             engine: EngineModel = DEMO_ENGINE) -> list[dict]:
 
     import tempfile
 
     rows: list[dict] = []
     workdir = Path(tempfile.mkdtemp(prefix="yg-routing-bench-"))
     # The simulated twin gets the engines' real KV capacity (routing-fleet.toml caps it).
-    engine = msgspec.structs.replace(DEMO_ENGINE, kv_capacity_blocks=min(
+    engine = msgspec.structs.replace(engine, kv_capacity_blocks=min(
         engine_kv_blocks(url) or DEMO_ENGINE.kv_capacity_blocks for url, _ in engines))
     print(f"real: engines hold {engine.kv_capacity_blocks} KV blocks each", flush=True)
     for conc in loads:
@@ -413,6 +419,29 @@ def run_sim(policies: list[str], rates: list[float], requests: int, replicas: in
     return rows
 
 
+@contextmanager
+def up_stack(config: str) -> Iterator[list[str]]:
+    """`yieldgate up -c config` for the run (nothing if ""); yields both engines' KV-event endpoints."""
+    if not config:
+        yield []
+        return
+    from run_all import stack  # benchmarks/run_all.py, next to this script
+
+    with stack(config) as home:
+        yield [f"ipc://{home}/run/kv-events-standard-{i}.sock" for i in range(2)]
+
+
+def merge_real(previous: dict, rows: list[dict], run: dict) -> tuple[list[dict], list[dict]]:
+    """--merge: this run's rows replace `previous` result's rows of the same loads, the others stay;
+    the runs' metas (previous ones, then `run`) so that each keeps its own command and machine load."""
+    loads = {r["concurrency"] for r in rows}
+    real = sorted([r for r in previous.get("real", []) if r["concurrency"] not in loads] + rows,
+                  key=lambda r: r["concurrency"])
+    before = previous.get("meta")
+    runs = (before.get("runs") or [before]) if before else []
+    return real, [*runs, run]
+
+
 def result_meta(command: str, load: str) -> dict:
     import os
     import subprocess
@@ -582,6 +611,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--agent-requests", type=int, default=30, help="real: agent-session turns per policy and load")
     ap.add_argument("--rounds", type=int, default=4, help="real: policies take turns this many times per load")
     ap.add_argument("--records", default="", help="also write every real request record to this JSONL file")
+    ap.add_argument("--up", default="", metavar="CONFIG",
+                    help="real: start `yieldgate up -c CONFIG` (engines 8101/8102, KV events from both) for this "
+                         "run and stop it afterwards")
+    ap.add_argument("--merge", action="store_true",
+                    help="real: keep --out's rows of the concurrencies not run now, so a long run can go one "
+                         "load per invocation")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "routing"))
     ap.add_argument("--twin", action="store_true",
@@ -590,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--twin-seeds", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=192, help="--twin: KV blocks per engine")
     ap.add_argument("--prefill-scale", type=float, default=1.0,
-                    help="--twin: the demo engine's prefill cost times this (3 for the 28 MB model)")
+                    help="the simulated twin's prefill cost times the demo engine's (3 for the 28 MB model)")
     ap.add_argument("--zipf", type=float, default=0.0,
                     help="simulator only: 64 replicas, --sim-tenants tenants with Zipf(--zipf) popularity; "
                          "writes only --out")
@@ -611,20 +646,35 @@ def main(argv: list[str] | None = None) -> None:
     previous = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
     real = previous.get("real", [])
     sim = previous.get("sim", [])
+    command = "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    runs: list[dict] = []
+    engines = [(args.standard, args.standard_kv), (args.fast, args.fast_kv)]
     if args.real:
         loads = [int(x) for x in args.loads.split(",")]
-        real = run_real(policies, loads, 12 if args.quick else args.shared_requests,
-                        8 if args.quick else args.agent_requests,
-                        [(args.standard, args.standard_kv), (args.fast, args.fast_kv)], model_path, tok, args.seed,
-                        rounds=args.rounds, records_path=args.records, tenants=args.tenants,
-                        cold_phases=args.cold_phases)
+        engine = msgspec.structs.replace(DEMO_ENGINE,
+                                         prefill_s_per_token=DEMO_ENGINE.prefill_s_per_token * args.prefill_scale)
+        with up_stack(args.up) as kv_events:
+            engines = [(url, kv_events[i] if kv_events else kv) for i, (url, kv) in enumerate(engines)]
+            rows = run_real(policies, loads, 12 if args.quick else args.shared_requests,
+                            8 if args.quick else args.agent_requests, engines, model_path, tok, args.seed,
+                            rounds=args.rounds, records_path=args.records, tenants=args.tenants,
+                            cold_phases=args.cold_phases, engine=engine)
+        real, runs = merge_real(previous if args.merge else {}, rows,
+                                result_meta(command, f"closed-loop concurrency {args.loads}"))
     if args.sim:
         rates = [float(x) for x in args.rates.split(",")]
         sim = run_sim(policies, rates, 1500 if args.quick else 6000, 64, 256, 2048, tok, args.seed)
-    doc = {"generated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "real": real, "sim": sim,
+    loads_run = ",".join(str(c) for c in dict.fromkeys(r["concurrency"] for r in real))
+    meta = result_meta(command, f"2 real engines ({args.up or 'already up'}), {args.tenants} tenants, "
+                                f"{args.shared_requests} shared-prefix + {args.agent_requests} agent requests per "
+                                f"policy and load in {args.rounds} rounds, closed-loop concurrency {loads_run}"
+                                + (", caches reset before every phase" if args.cold_phases else ""))
+    if len(runs) > 1:  # merged: each invocation's own command, date and machine load
+        meta["runs"] = runs
+    doc = {"meta": meta, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "real": real, "sim": sim,
            "sim_setup": {"replicas": 64, "tenants": 256, "prefix_tokens": 1000, "kv_capacity_blocks": 2048,
                          "engine": msgspec.to_builtins(EngineModel()), "agent_share": 0.25},
-           "real_setup": {"engines": [args.standard, args.fast], "kv_events": [args.standard_kv, args.fast_kv],
+           "real_setup": {"engines": [url for url, _ in engines], "kv_events": [kv for _, kv in engines],
                           "demo_engine_model": msgspec.to_builtins(DEMO_ENGINE)}}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1))
     plot(real, sim, out.with_suffix(".png"))

@@ -113,15 +113,21 @@ def test_engine_events_keep_the_prefix_index_in_step_with_evictions(prompts):
         assert indexed <= engine_blocks  # nothing the engine evicted
 
 
-def test_routing_benchmark_p90_comparison_has_an_interval():
-    """benchmarks/routing.py compares TTFT p90s as a difference with a bootstrap interval."""
+def routing_bench():
     import importlib.util
-    import random
 
     spec = importlib.util.spec_from_file_location(
         "routing_bench", Path(__file__).resolve().parent.parent / "benchmarks" / "routing.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_routing_benchmark_p90_comparison_has_an_interval():
+    """benchmarks/routing.py compares TTFT p90s as a difference with a bootstrap interval."""
+    import random
+
+    bench = routing_bench()
     rng = random.Random(1)
     fast = [rng.gauss(100, 10) for _ in range(200)]
     slow = [rng.gauss(150, 10) for _ in range(200)]
@@ -131,3 +137,16 @@ def test_routing_benchmark_p90_comparison_has_an_interval():
     assert worse["ci90_ms"][0] > 0 and worse["p_not_worse"] < 0.01
     same = bench.bootstrap_p90_diff(fast, list(fast))
     assert same["ci90_ms"][0] <= 0 <= same["ci90_ms"][1]
+
+
+def test_routing_benchmark_merge_replaces_the_loads_run_and_keeps_each_runs_meta():
+    """--merge: a long real run goes one load per invocation into one result file."""
+    merge = routing_bench().merge_real
+    row = lambda conc, policy, v: {"concurrency": conc, "policy": policy, "v": v}  # noqa: E731
+    first = {"meta": {"command": "a"}, "real": [row(4, "rr", 1), row(4, "ca", 1), row(6, "rr", 1)]}
+    real, runs = merge(first, [row(1, "rr", 2), row(6, "rr", 2)], {"command": "b"})
+    assert real == [row(1, "rr", 2), row(4, "rr", 1), row(4, "ca", 1), row(6, "rr", 2)]
+    assert [r["command"] for r in runs] == ["a", "b"]
+    _, runs = merge({"meta": {"command": "b", "runs": runs}, "real": real}, [row(2, "rr", 3)], {"command": "c"})
+    assert [r["command"] for r in runs] == ["a", "b", "c"]
+    assert merge({}, [row(1, "rr", 4)], {"command": "d"}) == ([row(1, "rr", 4)], [{"command": "d"}])
