@@ -86,7 +86,13 @@ class StreamRelay:
         texts, content_events = self.api.generated(b"".join(self._relayed))
         if self.tokenizer is None:
             return content_events
-        return max(content_events, sum(self.tokenizer.count(text) for text in texts))
+        return max(content_events, sum(map(self._count, texts)))
+
+    def _count(self, text: str) -> int:
+        # U+FFFD stands for a generated token the engine could not decode into a character (a byte
+        # of an unfinished UTF-8 sequence): one token, not the two or three its own bytes make.
+        replaced = text.count("\ufffd")
+        return self.tokenizer.count(text.replace("\ufffd", "") if replaced else text) + replaced
 
     def _final_event(self, event: bytes) -> bytes | None:
         """Bill the final usage; the event rewritten with tier and cost, or None to drop it."""
