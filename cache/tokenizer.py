@@ -244,6 +244,12 @@ class Tokenizer:
             return self._prefix + ids + self._suffix
         return ids
 
+    def count(self, text: str) -> int:
+        """How many tokens `text` is on its own: generated text (no special tokens, nothing cached)."""
+        if self.encoding is None:
+            return len(self.hf.encode(text, add_special_tokens=False).ids)
+        return len(self.encoding.encode_ordinary(text))
+
     def _encode_segments(self, text: str) -> list[int]:
         """tiktoken's encode, one special-token-delimited segment at a time, segments cached.
 

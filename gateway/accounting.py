@@ -430,8 +430,7 @@ class Accounting:
 
     def _estimate_aborted(self, ctx: RequestContext) -> Usage:
         prompt = len(ctx.prompt_tokens) if ctx.prompt_tokens else self._estimate_tokens(ctx.typed)
-        # The first event of a chat stream carries only the role; the rest carry one token each.
-        completion = max(ctx.chunks - (1 if ctx.kind == "chat" else 0), 0)
+        completion = ctx.relayed_tokens
         if ctx.max_tokens:
             completion = min(completion, ctx.max_tokens)
         return Usage(prompt, min(ctx.predicted_cached_tokens, prompt), completion)

@@ -2,14 +2,14 @@
 its answers carry usage, how the gateway adds tier and cost to them, and the shape of its errors.
 The request path (gateway/proxy.py) is the same for all of them.
 
-Streams: `final_marker` finds the event that carries the final usage (the one event the proxy
-decodes and rewrites); `token_marker` counts generated tokens as events are relayed, which bills a
-stream the client abandoned (gateway/accounting.py).
+Streams: `final_marker` finds the events that may carry the final usage and `is_final` tells which
+one does (the one event the relay decodes and rewrites); `generated` reads the text of relayed events,
+which bills a stream cut short (gateway/relay.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 from starlette.responses import Response
@@ -18,7 +18,7 @@ from .context import RequestContext, Usage
 from .errors import (APIError, anthropic_error_body, anthropic_error_response, anthropic_status, error_body)
 from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                       ResponsesRequest)
-from .sse import DONE, EVENT_END, data_event
+from .sse import DONE, EVENT_END, data_event, events
 from .tiers import RESPONSE_SERVICE_TIER
 
 _decode = msgspec.json.Decoder().decode
@@ -39,8 +39,51 @@ class Api:
     path = "/v1/chat/completions"
     request: type = ChatCompletionRequest
     final_marker = b'"usage":{'
-    token_marker = EVENT_END          # every content event is one token (the first one: the role)
     event_prefix = b"data: {"
+    # The final usage event has no choices; a client that asked for
+    # `stream_options.continuous_usage_stats` gets a running usage in every content event too.
+    final_shape = b'"choices":[]'
+
+    def is_final(self, event: bytes) -> bool:
+        """Whether this event carries the stream's final usage."""
+        return event.startswith(self.event_prefix) and self.final_marker in event and self.final_shape in event
+
+    def generated(self, relayed: bytes) -> tuple[list[str], int]:
+        """The text that relayed stream events carried, one string per choice (or output block), and
+        how many content events there were (each carries at least one token; its text can be empty
+        while a multi-byte character is incomplete)."""
+        pieces: dict[Any, list[str]] = {}
+        content_events = 0
+        for event in events(relayed):
+            at = event.find(b"data: {")
+            if at < 0:
+                continue  # [DONE]
+            try:
+                data = _decode(event[at + 6:])
+            except msgspec.DecodeError:
+                continue
+            content = False
+            for key, text in self._texts(data) if isinstance(data, dict) else ():
+                if isinstance(text, str):
+                    pieces.setdefault(key, []).append(text)
+                    content = True
+            content_events += content
+        return ["".join(p) for p in pieces.values()], content_events
+
+    def _texts(self, event: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+        """(choice or block, text) for each generated text an event carries."""
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict) or (delta.get("role") and not delta.get("content")):
+                continue  # the first event of a chat stream only announces the role
+            i = choice.get("index")
+            yield i, delta.get("content")
+            yield i, delta.get("reasoning") or delta.get("reasoning_content")
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") if isinstance(call, dict) else None
+                if isinstance(function, dict):
+                    yield i, function.get("name")
+                    yield i, function.get("arguments")
 
     def usage(self, answer: dict[str, Any]) -> Usage:
         """The usage of a unary answer (or of the final stream event)."""
@@ -87,6 +130,11 @@ class CompletionsApi(Api):
     path = "/v1/completions"
     request = CompletionRequest
 
+    def _texts(self, event: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+        for choice in event.get("choices") or ():
+            if isinstance(choice, dict):
+                yield choice.get("index"), choice.get("text")
+
 
 class ResponsesApi(Api):
     """OpenAI's Responses API: usage as input_tokens (input_tokens_details.cached_tokens) and
@@ -96,8 +144,13 @@ class ResponsesApi(Api):
     path = "/v1/responses"
     request = ResponsesRequest
     final_marker = b"event: response.completed\n"
-    token_marker = b".delta\ndata: "  # response.output_text.delta, reasoning_text.delta, ...
     event_prefix = b"event: "
+    final_shape = b""
+
+    def _texts(self, event: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+        # response.output_text.delta, reasoning_text.delta, function_call_arguments.delta, ...
+        if str(event.get("type", "")).endswith(".delta"):
+            yield event.get("output_index"), event.get("delta")
 
     def usage(self, answer: dict[str, Any]) -> Usage:
         u = answer.get("usage")
@@ -147,8 +200,13 @@ class MessagesApi(Api):
     path = "/v1/messages"
     request = MessagesRequest
     final_marker = b"event: message_delta\n"
-    token_marker = b"event: content_block_delta\n"
     event_prefix = b"event: "
+    final_shape = b""
+
+    def _texts(self, event: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+        delta = event.get("delta") if event.get("type") == "content_block_delta" else None
+        if isinstance(delta, dict):  # text_delta, input_json_delta, thinking_delta
+            yield event.get("index"), delta.get("text") or delta.get("partial_json") or delta.get("thinking")
 
     def usage(self, answer: dict[str, Any]) -> Usage:
         u = answer.get("usage")

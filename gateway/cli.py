@@ -37,14 +37,32 @@ def _load(config_path: Optional[Path]) -> Config:
 
 
 def _serve(config: Config, supervisor=None) -> None:
-    from .app import InsecureConfig, create_app, draining_server
+    # Loading the app takes seconds; a SIGTERM meanwhile must stop the gateway cleanly, not kill it
+    # by the default action or get lost before uvicorn installs the server's own handlers.
+    server = None
+    caught: list[int] = []
 
+    def on_sigterm(sig: int, frame) -> None:
+        if server is None:
+            caught.append(sig)
+        else:
+            server.handle_exit(sig, frame)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        asgi = create_app(config, supervisor=supervisor)
-    except InsecureConfig as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
-    draining_server(asgi, config).run()
+        from .app import InsecureConfig, create_app, draining_server
+
+        try:
+            asgi = create_app(config, supervisor=supervisor)
+        except InsecureConfig as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        server = draining_server(asgi, config)
+        for sig in caught:
+            server.handle_exit(sig, None)
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @model_app.command("make")

@@ -49,7 +49,7 @@ class RequestContext:
     pinned: Replica | None = None           # the only replica that can serve it (a stored response's)
     predicted_cached_tokens: int = 0
     ttft: float | None = None
-    chunks: int = 0
+    relayed_tokens: int = 0                 # output tokens a stream cut short relayed (gateway/relay.py)
     finished: bool = False
     status: str = ""
     cost_header: str = ""

@@ -6,7 +6,9 @@ in-flight requests get `server.stop_timeout_s` to finish. Past that, or on a sec
 streams still open are ended with an error event and `[DONE]` (billed for what was relayed) and
 unary requests still waiting are cancelled. The app's shutdown then closes the ledger, which
 flushes its journal to the store, and the process exits 0. SIGINT (Ctrl-C) skips the
-accepting window.
+accepting window, and so does a SIGTERM that comes before the listener opened (while the app loads
+or starts: `yieldgate gateway` catches it from the start, gateway/cli.py): the gateway then stops as
+soon as its start-up is done, exit 0.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self.drain.begin()
-        if sig == signal.SIGTERM and self.drain_s > 0:
+        # Before the listener opens no load balancer has seen the gateway ready: nothing to drain.
+        if sig == signal.SIGTERM and self.drain_s > 0 and self.started:
             self._accept_until = time.monotonic() + self.drain_s
             log.warning("SIGTERM: draining (not ready; accepting for %.1f s, then up to %.1f s for "
                         "requests in flight)", self.drain_s, self.stop_timeout_s)

@@ -55,9 +55,10 @@ class EmbeddedGateway:
 
 
 class GatewayProcess:
-    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0, port: int = 0):
+    def __init__(self, config: Config, workdir: Path, start_timeout_s: float = 60.0, port: int = 0,
+                 wait: bool = True):
         """On config.server.host (a loopback address of its own can stand for a host of its own),
-        on `port` or a free one."""
+        on `port` or a free one; returns once it serves a tier, or at once with wait=False."""
         import msgspec
 
         host = config.server.host
@@ -78,7 +79,7 @@ class GatewayProcess:
                                             stdout=log, stderr=subprocess.STDOUT)
         self.url = f"http://{host}:{self.port}"
         deadline = time.monotonic() + start_timeout_s
-        while not serves_a_tier(self.url):
+        while wait and not serves_a_tier(self.url):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"gateway process did not start:\n{self.log_path.read_text()[-3000:]}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
@@ -36,15 +36,15 @@ from yieldgate.serving.fleet import Fleet
 from .accounting import Accounting
 from .apis import ANTHROPIC, APIS, ROUTES, Api
 from .config import Config
-from .context import RequestContext, Usage
+from .context import RequestContext
 from .errors import APIError, InternalError, NotFound
 from .intake import open_request, upstream_payload
 from .limits import StreamLease, StreamLimiter, stream_owner
 from .metrics import GatewayMetrics
+from .relay import StreamRelay
 from .responses import yieldgate_headers
 from .routing import Routing
 from .schemas import ChatShaped, ModelCard, ModelList
-from .sse import EVENT_END, EventSplitter, events
 
 log = logging.getLogger("yieldgate.picker")
 
@@ -91,10 +91,7 @@ class Exchange:
     lease: StreamLease | None = None
     status: int = 0
     buffered: bool = False
-    usage: Usage | None = None
-    splitter: EventSplitter = field(default_factory=EventSplitter)
-    prev: bytes = b""              # the last two blocks relayed: where an engine's error event would be
-    block: bytes = b""
+    relay: StreamRelay | None = None   # a streamed answer's pass-through and bill (gateway/relay.py)
     ended: bool = False
 
     def response_headers(self, status: int) -> pb.ProcessingResponse:
@@ -145,53 +142,15 @@ class Exchange:
             body_mutation=pb.BodyMutation(body=data))))
 
     def _relay(self, data: bytes, end_of_stream: bool) -> bytes | object:
-        """A stream chunk, passed through event by event as the gateway's relay does: only the
-        final usage event is decoded (billed, then rewritten or dropped); content events are
-        counted, which bills a stream the client abandons."""
-        ctx, api = self.ctx, self.api
-        final, token = api.final_marker, api.token_marker
-        got = self.splitter.feed(data)
-        if got:
-            self.prev, self.block = self.block, got
-        if not got:
-            out = b""
-        elif final not in got:
-            ctx.chunks += got.count(token)
-            out = got
-        else:
-            parts = []
-            for event in events(got):
-                if final in event and event.startswith(api.event_prefix):
-                    rewritten = self._final_event(event)
-                    if rewritten:
-                        parts.append(rewritten)
-                else:
-                    event += EVENT_END
-                    ctx.chunks += event.count(token)
-                    parts.append(event)
-            out = b"".join(parts)
+        """A stream chunk, passed through and billed as the gateway's relay does (gateway/relay.py)."""
+        if self.relay is None:
+            self.relay = StreamRelay(self.api, self.ctx, self.picker.accounting, self.want_usage,
+                                     self.picker.routing.tokenizer)
+        out = self.relay.feed(data)
         if end_of_stream:
-            out += self.splitter.rest()
-            if self.usage is None:
-                # The engine ended the stream without its usage (vLLM ends a failed generation
-                # with an error event and [DONE]): billed for the tokens relayed.
-                if token == EVENT_END:  # every event was counted
-                    tail = self.prev + self.block
-                    ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
-                self.end("upstream_error")
-            else:
-                self.end("ok")
+            out += self.relay.close()
+            self.end(self.ctx.status)
         return _SKIP if out == data else out
-
-    def _final_event(self, event: bytes) -> bytes | None:
-        at = event.index(b"data: ") + 6
-        chunk = _decode(event[at:])
-        usage = self.usage = self.api.final_usage(chunk)
-        extra = self.picker.accounting.finish(self.ctx, usage, "ok")
-        if not self.want_usage:
-            return None  # the client did not ask for usage; the picker did, to bill it
-        self.api.decorate_final(chunk, self.ctx, usage, extra)
-        return event[:at] + _encode(chunk) + EVENT_END
 
     def end(self, status: str) -> None:
         """Once per request, however it ended (a client that leaves cancels the gRPC stream)."""
@@ -201,8 +160,10 @@ class Exchange:
         if self.lease is not None:
             self.lease.release()
         self.picker.routing.done(self.ctx)
-        if self.billed and not self.ctx.finished:
-            self.picker.accounting.finish(self.ctx, self.usage, status)
+        if self.relay is not None:
+            self.relay.end(status)
+        elif self.billed:
+            self.picker.accounting.finish(self.ctx, None, status)
 
 
 class Picker:

@@ -32,16 +32,16 @@ from yieldgate.serving.upstream import (Endpoint, UpstreamAborted, UpstreamConne
 from .accounting import Accounting
 from .affinity import ResponseAffinity
 from .apis import APIS, Api
-from .context import RequestContext, Usage
+from .context import RequestContext
 from .intake import open_request, parse_request, upstream_payload
 from .config import Config
 from .drain import Drain
 from .errors import PayloadTooLarge, PreviousResponseNotFound, ResponseNotFound, ServiceUnavailable, UpstreamError
 from .limits import StreamLimiter, stream_owner
+from .relay import StreamRelay
 from .responses import JSONReply, yieldgate_headers
 from .routing import Routing
 from .schemas import ChatShaped
-from .sse import EVENT_END, EventSplitter, events
 
 log = logging.getLogger("yieldgate.proxy")
 
@@ -327,11 +327,12 @@ class Proxy:
                 resp.release()
             self.accounting.finish(ctx, None, f"upstream_{resp.status}")
             return api.upstream_error(resp.status, data)
+        relay = StreamRelay(api, ctx, self.accounting, want_usage, self.routing.tokenizer)
         ended = False
         # A gateway that stops past its drain ends the stream: the relay sees UpstreamAborted.
         untrack = self.drain.track(lambda: resp.abort(UpstreamAborted("the gateway is shutting down")))
 
-        def end(status: str, usage: Usage | None) -> None:
+        def end(status: str) -> None:
             # Once per stream, whether the relay ran to the end, failed, or never started because
             # the client left before the first byte.
             nonlocal ended
@@ -343,85 +344,44 @@ class Proxy:
             self._let_go(ctx)
             self.routing.done(ctx)
             resp.close()  # closing the connection makes vLLM abort the request if unfinished
-            if not ctx.finished:
-                self.accounting.finish(ctx, usage, status)
+            relay.end(status)
 
-        response = _RelayResponse(self._relay(ctx, api, replica, resp, want_usage, end), end,
-                                  media_type="text/event-stream")
+        response = _RelayResponse(self._relay(ctx, replica, resp, relay, end), end, media_type="text/event-stream")
         response.raw_headers += self._headers(ctx)
         response.raw_headers += _STREAM_HEADERS
         return response
 
-    async def _relay(self, ctx: RequestContext, api: Api, replica: Replica, resp: UpstreamResponse,
-                     want_usage: bool, end: Callable[[str, Usage | None], None]) -> AsyncIterator[bytes]:
-        final, token, prefix = api.final_marker, api.token_marker, api.event_prefix
-        splitter = EventSplitter()
-        usage: Usage | None = None
-        status = "aborted"   # until the engine says [DONE]; a client that leaves ends here
-        prev = block = b""   # the last two blocks relayed: where an engine's error event would be
+    async def _relay(self, ctx: RequestContext, replica: Replica, resp: UpstreamResponse, relay: StreamRelay,
+                     end: Callable[[str], None]) -> AsyncIterator[bytes]:
+        status = "aborted"   # until the engine ends the stream; a client that leaves ends here
+        remembered = False
         try:
             async for data in resp.iter_chunks():
                 if ctx.ttft is None:
                     ctx.first_byte()
                     self.routing.first_token(ctx)
-                got = splitter.feed(data)
-                if not got:
-                    continue
-                prev, block = block, got
-                if final not in block:
-                    ctx.chunks += block.count(token)
-                    yield block
-                    continue
-                out = []
-                for event in events(block):
-                    if final in event and event.startswith(prefix):
-                        usage, rewritten = await self._final_event(ctx, api, event, want_usage)
-                        if rewritten:
-                            out.append(rewritten)
-                    else:
-                        event += EVENT_END
-                        ctx.chunks += event.count(token)
-                        out.append(event)
+                out = relay.feed(data)
+                if relay.final is not None and not remembered:
+                    remembered = True  # where follow-ups go, known before the client sees the end
+                    if ctx.kind == "responses":
+                        await self._remember(ctx, relay.final.get("response"))
                 if out:
-                    yield b"".join(out)
-            rest = splitter.rest()
+                    yield out
+            rest = relay.close()
+            status = ctx.status  # billed by close()
             if rest.strip():
                 yield rest
-            if usage is not None:
-                status = "ok"
-            else:
-                # The engine ended the stream without its usage: vLLM ends a generation that failed
-                # with an error event and [DONE]. Billed like an abandoned stream (the tokens
-                # relayed), not as an "ok" with none; the error event and [DONE] are not tokens.
-                if token == EVENT_END:  # every event was counted
-                    tail = prev + block
-                    ctx.chunks -= tail.count(b"data: [DONE]") + tail.count(b'data: {"error"')
-                status = "upstream_error"
         except UpstreamAborted as exc:
             # The gateway stops (drain time over, or a second SIGTERM): billed for what was relayed.
             status = "shutdown"
-            yield api.stream_error(f"The gateway ended the stream: {exc}.")
+            yield relay.api.stream_error(f"The gateway ended the stream: {exc}.")
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
             self.fleet.set_health(replica, False)
             status = "upstream_error"
-            yield api.stream_error(f"Upstream replica failed mid-stream: {type(exc).__name__}")
+            yield relay.api.stream_error(f"Upstream replica failed mid-stream: {type(exc).__name__}")
         finally:
-            end(status, usage)
-
-    async def _final_event(self, ctx: RequestContext, api: Api, event: bytes,
-                           want_usage: bool) -> tuple[Usage, bytes | None]:
-        """The event with the stream's final usage: bill it, and rewrite it with tier and cost."""
-        at = event.index(b"data: ") + 6
-        chunk = _decode(event[at:])
-        usage = api.final_usage(chunk)
-        extra = self.accounting.finish(ctx, usage, "ok")
-        if ctx.kind == "responses":
-            await self._remember(ctx, chunk.get("response"))
-        if not want_usage:
-            return usage, None
-        api.decorate_final(chunk, ctx, usage, extra)
-        return usage, event[:at] + _encode(chunk) + EVENT_END
+            end(status)
 
 
 _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
@@ -430,7 +390,7 @@ _STREAM_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"
 class _RelayResponse(StreamingResponse):
     """A streaming response that always runs its `end` callback, even if it never streamed."""
 
-    def __init__(self, content: AsyncIterator[bytes], end: Callable[[str, Any], None], **kwargs: Any):
+    def __init__(self, content: AsyncIterator[bytes], end: Callable[[str], None], **kwargs: Any):
         super().__init__(content, **kwargs)
         self._end = end
 
@@ -438,4 +398,4 @@ class _RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._end("aborted", None)
+            self._end("aborted")

@@ -40,8 +40,8 @@ class Routing:
         fleet_cfg = self.config.fleet
         self.index = await self._open_index()
         self.routers = {tier: self._router(fleet_cfg.tier(tier)) for tier in self.fleet.tiers()}
-        if any(r.needs_tokens for r in self.routers.values()):
-            self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
+        # Loaded even when no policy needs tokens: a stream cut short is billed by it (gateway/relay.py).
+        self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
         for replica in self.fleet.replicas.values():
             if not replica.joining:
                 await self.joined(replica)
@@ -93,7 +93,8 @@ class Routing:
     @staticmethod
     def _load_tokenizer(model_path: str) -> Tokenizer | None:
         if not model_path or not (Path(model_path) / "tokenizer.json").exists():
-            log.warning("no tokenizer (fleet.model_path=%r): cache-aware routing sees no prefixes", model_path)
+            log.warning("no tokenizer (fleet.model_path=%r): cache-aware routing sees no prefixes, and a "
+                        "stream cut short is billed one token per event relayed", model_path)
             return None
         return Tokenizer.from_model_dir(model_path)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from polling import until
 from test_discovery_dns import SRV_NAME, ZONE, Dnsmasq
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
@@ -357,15 +358,6 @@ def reconcile(fleet: Fleet, served: list[Served], timeout_s: float = 60.0) -> di
     for s in wanted.values():
         by_gateway[s.gateway] = by_gateway.get(s.gateway, 0) + 1
     return by_gateway
-
-
-def until(predicate, what: str, attempts: int = 600, pause_s: float = 0.1):
-    for _ in range(attempts):
-        value = predicate()
-        if value:
-            return value
-        time.sleep(pause_s)
-    raise AssertionError(f"never happened: {what}")
 
 
 def port_base() -> int:

@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from needs import missing
+from polling import until
 from yieldgate.gateway.config import Config, ConfigError, ServerConfig, load_config
 from yieldgate.serving.config import DiscoveryConfig, FleetConfig, ReplicaConfig, TierConfig
 from yieldgate.serving.discovery import Discovery, DiscoveryError, DnsSource, StaticSource
@@ -121,16 +122,6 @@ def dnsmasq(tmp_path):
     server = Dnsmasq(tmp_path)
     yield server
     server.stop()
-
-
-def until(predicate, what: str, attempts: int = 300, pause_s: float = 0.1):
-    """Poll for an event, bounded in count; returns the predicate's truthy value."""
-    for _ in range(attempts):
-        value = predicate()
-        if value:
-            return value
-        time.sleep(pause_s)
-    raise AssertionError(f"never happened: {what}")
 
 
 # -- the DNS source against a real nameserver -------------------------------------------------
@@ -370,7 +361,7 @@ def test_engines_join_and_leave_a_serving_gateway_as_dns_says(stack, redis_url, 
 
     # DNS adds the second engine: it joins, then gets requests.
     dnsmasq.restart(srv=[target_a, target_b])
-    until(lambda: admin_get(gw.url, "/admin/fleet").get(b, {}).get("state") == "serving", "b joins", attempts=600)
+    until(lambda: admin_get(gw.url, "/admin/fleet").get(b, {}).get("state") == "serving", "b joins")
     assert b in routing.subscribers and metric(
         gw.url, "yieldgate_replica_membership_changes_total", tier="standard", change="joined") == 2
 

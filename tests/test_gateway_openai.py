@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import urllib.request
+import uuid
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from test_agent_routes import ledger_rows
 
 LONG_SYSTEM = ("You are the release assistant for the yieldgate project. " * 30).strip()
 
@@ -76,6 +79,23 @@ def test_stream_without_include_usage_has_no_usage_chunk(client, stack):
     chunks = list(client.chat.completions.create(
         model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True))
     assert chunks and all(c.usage is None for c in chunks)
+
+
+def test_stream_with_continuous_usage_is_billed_from_its_final_usage(client, stack):
+    """vLLM's stream_options.continuous_usage_stats puts the running usage in every event: the client
+    that asked gets it, and the gateway bills (and adds the cost to) the final usage only."""
+    request_id = "req-continuous-" + uuid.uuid4().hex
+    chunks = list(client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}, extra_headers={"x-request-id": request_id}))
+    running = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert len(running) > 1 and running == sorted(running) and running[-1] == 12
+    assert all("cost" not in c.usage.model_dump() for c in chunks if c.choices and c.usage is not None)
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == 12 and "cost" in final.usage.model_dump()
+    rows = ledger_rows(stack, request_id)
+    assert [(r["status"], int(r["completion_tokens"])) for r in rows] == [("ok", 12)]
 
 
 def test_completions_unary_and_stream(client, stack):

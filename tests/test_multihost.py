@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from multihost import (Engine, Fleet, drill_engines, drill_redis, drill_sigkill, drill_sigterm, failures,
-                       port_base, reconcile, until)
+                       port_base, reconcile)
 from needs import missing
+from polling import until
 
 RESULTS: dict[str, dict] = {}
 
