@@ -551,6 +551,8 @@ class Adapters:
             for engine in wanted:
                 version = adapter.version(engine.split("@", 1)[1])
                 if version is not None:
+                    self._writes += 1  # shown as loading again at once (and written by `_reload`)
+                    adapter.placements.setdefault(engine, {})[replica.name] = Placement(LOADING)
                     self._spawn(self._reload(adapter, version, replica))
 
     async def _joined(self, replica: Replica) -> None:
@@ -558,10 +560,11 @@ class Adapters:
 
     async def _reload(self, adapter: Adapter, record: AdapterVersion, replica: Replica,
                       wait_s: float = 300.0) -> None:
+        engine = engine_name(adapter.name, record.version)
+        await self.store.place(adapter.name, engine, replica.name, Placement(LOADING))
         deadline = time.monotonic() + wait_s
         while not replica.healthy and time.monotonic() < deadline:  # up, then routable
             await asyncio.sleep(0.2)
-        engine = engine_name(adapter.name, record.version)
         if engine not in adapter.placements and engine_name(adapter.name, adapter.current) != engine:
             return  # retired meanwhile
         try:
