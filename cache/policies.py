@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from yieldgate.cache.scorers import (
-    ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
+    AdapterAffinityScorer, ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
     PrefixCacheScorer, RoundRobinPicker, Scorer, SessionAffinityScorer, ShareFilter,
 )
 
@@ -126,6 +126,7 @@ register_scorer("load", lambda c: LoadScorer())
 register_scorer("eviction", lambda c: EvictionScorer(), needs="tokens")
 register_scorer("consistent_hash", lambda c: ConsistentHashScorer(), needs="tokens")
 register_scorer("session_affinity", lambda c: SessionAffinityScorer(), needs="session")
+register_scorer("adapter_affinity", lambda c: AdapterAffinityScorer())
 register_picker("max_score", lambda c: MaxScorePicker())
 register_picker("round_robin", lambda c: RoundRobinPicker())
 

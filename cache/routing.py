@@ -18,7 +18,7 @@ from yieldgate.cache.policies import (  # noqa: F401  (RouterConfig, UnknownPoli
     PRESETS, PipelineSpec, RouterConfig, UnknownPolicy, build_parts, preset,  # noqa: F401
 )
 from yieldgate.cache.scorers import (
-    Candidate, Filter, Picker, RecentPicks, RouteContext, RouteRequest, Scorer, load_of,
+    AdapterAffinityScorer, Candidate, Filter, Picker, RecentPicks, RouteContext, RouteRequest, Scorer, load_of,
 )
 
 POLICIES = tuple(PRESETS)  # the built-in presets; a tier may also compose its own PipelineSpec
@@ -129,6 +129,11 @@ class Router:
     @property
     def needs_tokens(self) -> bool:
         return self.policy.needs_tokens
+
+    @property
+    def scores_adapters(self) -> bool:
+        """The policy weighs adapter affinity: replicas without the adapter may be candidates."""
+        return any(isinstance(s, AdapterAffinityScorer) for s, _ in self.policy.scorers)
 
     def pick(self, request: RouteRequest, candidates: Sequence[Candidate]) -> RouteDecision:
         if not candidates:

@@ -42,6 +42,9 @@ class RouteRequest(msgspec.Struct):
     # vLLM's per-block extra hash keys (cache.blocks.lora_extra_keys for a LoRA request): the
     # engine caches an adapter's blocks under other hashes than the base model's.
     extra_keys: tuple | None = None
+    # A LoRA adapter request: per replica, 1 where its version is resident, 0.5 where a slot is
+    # free to load it, 0 where loading it means unloading another adapter (the gateway's view).
+    adapter_affinity: dict[str, float] | None = None
 
 
 class RouteContext(msgspec.Struct):
@@ -250,6 +253,16 @@ class SessionAffinityScorer:
             return {c.name: 0.0 for c in candidates}
         home = max(candidates, key=lambda c: rendezvous(sid, c.name))
         return {c.name: (1.0 if c is home else 0.0) for c in candidates}
+
+
+class AdapterAffinityScorer:
+    """For a LoRA adapter request: resident (1) > free adapter slot (0.5) > must unload one (0);
+    every replica scores 0 for a base-model request. Weighted against cache and load scorers, it
+    decides when spreading an adapter to one more replica is worth its load."""
+
+    def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
+        affinity = ctx.request.adapter_affinity or {}
+        return {c.name: affinity.get(c.name, 0.0) for c in candidates}
 
 
 # -- pickers ------------------------------------------------------------------

@@ -299,7 +299,8 @@ class Accounting:
                 # The requested tier's price: a failover to a dearer tier settles at that tier's
                 # exact cost, so a hard budget is overshot by at most one such request's difference.
                 ctx.reservation = await self.budget.reserve(
-                    key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out))
+                    key, self.price_book.max_cost(ctx.model, ctx.tier, upper, max_out,
+                                                  ctx.adapter.name if ctx.adapter else ""))
                 if ctx.reservation.over_soft_budget:  # a soft budget flags, never refuses
                     self.metrics.soft_budget_exceeded.labels(key.id, key.team).inc()
         except PricingRateLimited as exc:
@@ -352,7 +353,8 @@ class Accounting:
             prompt = max(usage.prompt_tokens, 0)
             priced = PricedUsage(prompt, min(max(usage.cached_tokens, 0), prompt),
                                  max(usage.completion_tokens, 0))
-        cost = self.price_book.cost(ctx.model, ctx.tier, priced) if usage is not None else Cost()
+        cost = self.price_book.cost(ctx.model, ctx.tier, priced, ctx.adapter.name if ctx.adapter else "") \
+            if usage is not None else Cost()
         key = ctx.key
         if self.ledger is not None:
             self.ledger.record(LedgerRecord.priced(
@@ -404,8 +406,9 @@ class Accounting:
                 self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - usage.cached_tokens))
             if ctx.adapter is not None:
                 m = self.metrics
-                m.adapter_requests.labels(ctx.adapter.name, ctx.adapter.label).inc()
-                m.adapter_cost.labels(ctx.adapter.name, ctx.adapter.label).inc(float(cost.total))
+                labels = m.adapter_series(ctx.adapter.name, ctx.adapter.label)
+                m.adapter_requests.labels(*labels).inc()
+                m.adapter_cost.labels(*labels).inc(float(cost.total))
         if not estimated:
             self._calibrate(ctx, priced.prompt_tokens)
         t = self.totals.get(labels)

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 _Text = Annotated[str, Meta(min_length=1, max_length=64)]
 
 
+class OnDemand(msgspec.Struct, forbid_unknown_fields=True):
+    """On at most `replicas` replicas, loaded where a request finds none."""
+
+    replicas: Annotated[int, Meta(ge=1, le=4096)]
+
+
 class AdapterPush(msgspec.Struct, forbid_unknown_fields=True):
     """POST /admin/adapters: a new adapter, or a new version of one."""
 
@@ -31,7 +37,7 @@ class AdapterPush(msgspec.Struct, forbid_unknown_fields=True):
     path: Annotated[str, Meta(min_length=1, max_length=4096)]   # a PEFT directory the engines can read
     source: Literal["path"] = "path"
     tiers: list[str] | None = None        # default: every tier (a new version keeps the adapter's)
-    placement: Literal["all"] = "all"     # every replica of the tiers
+    placement: Literal["all"] | OnDemand = "all"   # every replica of the tiers, or N on demand
 
 
 class AdapterCard(ModelCard):
@@ -59,16 +65,17 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
 
     @router.get("")
     async def list_adapters() -> Response:
-        return json_response({"object": "list", "data": gw.adapters.status()})
+        return json_response({"object": "list", "data": await gw.adapters.status()})
 
     @router.post("")
     async def push(request: Request) -> Response:
         spec: AdapterPush = await decode_body(request, AdapterPush)
         try:
-            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers)
+            replicas = spec.placement.replicas if isinstance(spec.placement, OnDemand) else 0
+            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas)
         except AdapterError as exc:
             raise _api_error(exc) from None
-        return json_response(_one(gw, spec.name), 201)
+        return json_response(await _one(gw, spec.name), 201)
 
     @router.post("/{name}/rollback")
     async def rollback(name: str) -> Response:
@@ -76,7 +83,7 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
             await gw.adapters.rollback(name)
         except AdapterError as exc:
             raise _api_error(exc) from None
-        return json_response(_one(gw, name))
+        return json_response(await _one(gw, name))
 
     @router.delete("/{name}")
     async def remove(name: str) -> Response:
@@ -89,5 +96,5 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
     return router
 
 
-def _one(gw: "Gateway", name: str) -> dict:
-    return next(d for d in gw.adapters.status() if d["name"] == name)
+async def _one(gw: "Gateway", name: str) -> dict:
+    return next(d for d in await gw.adapters.status() if d["name"] == name)

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from yieldgate.serving.adapter_store import open_store
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.supervisor import Supervisor
@@ -69,7 +70,7 @@ class Gateway:
         self.config = config
         self.instance_id = config.server.instance_id or default_instance_id()
         self.drain = Drain()  # SIGTERM: not ready, then stop (gateway/drain.py)
-        self.metrics = GatewayMetrics(self.instance_id)
+        self.metrics = GatewayMetrics(self.instance_id, config.fleet.lora.metric_series)
         self.supervisor = supervisor  # the engines `yieldgate up` launched and keeps running
         self._down_reason: dict[str, str] = {}
         if supervisor is not None:
@@ -91,6 +92,7 @@ class Gateway:
         await self.accounting.start()
         await self.dashboard.start()
         await self.routing.start()
+        await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
         await self.proxy.start()
         self.weights.start()
 

@@ -51,8 +51,11 @@ class CounterBatch:
 
 
 class GatewayMetrics:
-    def __init__(self, instance_id: str = "") -> None:
+    def __init__(self, instance_id: str = "", adapter_series: int = 32) -> None:
         self.batch = CounterBatch()
+        # Adapters with series of their own (first come); the rest are counted as "other".
+        self.adapter_series_cap = adapter_series
+        self._adapters_seen: set[str] = set()
         self.registry = r = CollectorRegistry()
         # Which gateway these series come from, for joins when several share a dashboard:
         # yieldgate_requests_total * on(instance) group_left(instance_id) yieldgate_gateway_info.
@@ -100,7 +103,8 @@ class GatewayMetrics:
             "yieldgate_cost_usd", "List-price spend by kind (uncached_input, cached_input, output)",
             ["kind", "tier", "model"], registry=r)
         self.adapter_requests = Counter(
-            "yieldgate_adapter_requests", "Requests answered by a LoRA adapter, by adapter and version (name@version)",
+            "yieldgate_adapter_requests", "Requests answered by a LoRA adapter, by adapter and version (name@version); "
+            "adapters beyond the series cap are counted as adapter=\"other\"",
             ["adapter", "weight_version"], registry=r)
         self.adapter_cost = Counter(
             "yieldgate_adapter_cost_usd", "List-price spend on LoRA adapters, by adapter and version",
@@ -153,6 +157,16 @@ class GatewayMetrics:
             "Discovered replicas that joined (passed their probes) or left (drained) a tier",
             ["tier", "change"], registry=r)
         self._refresh: list[Callable[[], None]] = []
+
+    def adapter_series(self, adapter: str, weight_version: str) -> tuple[str, str]:
+        """The (adapter, weight_version) labels of a request's adapter: its own for the first
+        `adapter_series` adapters seen, ("other", "other") for the rest (bounded cardinality)."""
+        if adapter in self._adapters_seen:
+            return adapter, weight_version
+        if len(self._adapters_seen) < self.adapter_series_cap:
+            self._adapters_seen.add(adapter)
+            return adapter, weight_version
+        return "other", "other"
 
     def on_render(self, refresh: Callable[[], None]) -> None:
         """Run `refresh` before every scrape (sets the gauges derived from accounting state)."""

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from yieldgate.cache import RouteRequest
 from yieldgate.pricing import ApiKey
 
-from yieldgate.serving.adapters import Adapters
+from yieldgate.serving.adapters import AdapterError, Adapters
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.upstream import (Endpoint, UpstreamAborted, UpstreamConnectError, UpstreamConnectionError,
                                        UpstreamPool, UpstreamResponse)
@@ -233,14 +233,21 @@ class Proxy:
                         "failed.", param="previous_response_id")
                 candidates = [ctx.pinned]
             else:
-                holds = (lambda r: self.adapters.holds(ctx.adapter, r)) if ctx.adapter is not None else None
-                candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
+                candidates = await self._candidates(ctx, failed)
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
             replica = decision.replica
             ctx.bind(replica, decision.predicted_cached_tokens)
             self.routing.sent(ctx, decision)
+            if ctx.adapter is not None:
+                if not self.adapters.holds(ctx.adapter, replica):  # picked to take the adapter on
+                    try:
+                        await self._load_adapter(ctx, [replica])
+                    except BaseException:
+                        self.routing.done(ctx)
+                        raise
+                self.adapters.touch(ctx.adapter, replica)
             try:
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
                                                 b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
@@ -260,6 +267,35 @@ class Proxy:
         if last_exc is not None:
             raise UpstreamError(f"Upstream replicas failed: {type(last_exc).__name__}")
         raise self.routing.no_replica(ctx)
+
+    async def _candidates(self, ctx: RequestContext, failed: set[str]) -> list[Replica]:
+        """The routing candidates; for an adapter, those that hold its version, after loading it
+        (the request waits, bounded) where no replica of the tier or its fallback holds it."""
+        route = ctx.adapter
+        if route is None:
+            return await self.routing.candidates(ctx, failed, self._failover)
+        holds = lambda r: self.adapters.holds(route, r)  # noqa: E731
+        candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
+        routable = [r for r in self.fleet.candidates(ctx.tier) if r.name not in failed] \
+            or [r for r in self.fleet.fallback(ctx.tier)[1] if r.name not in failed]
+        if candidates and self.routing.scores_adapters(ctx.tier) and self.adapters.may_spread(route):
+            # The policy weighs the adapter's affinity against cache and load: replicas that
+            # would have to load it are candidates too (the pick loads it there, see `_open`).
+            candidates += [r for r in routable if r not in candidates and r.tier == ctx.tier]
+            ctx.route.adapter_affinity = {r.name: self.adapters.affinity(route, r) for r in candidates}
+        elif candidates:
+            self.adapters.spread(route, routable)
+        if candidates or not routable:
+            return candidates
+        await self._load_adapter(ctx, routable)
+        return await self.routing.candidates(ctx, failed, self._failover, holds)
+
+    async def _load_adapter(self, ctx: RequestContext, replicas: list[Replica]) -> None:
+        """Load the request's adapter version on one of `replicas`; the request waits (bounded)."""
+        try:
+            await self.adapters.ensure(ctx.adapter, replicas)
+        except AdapterError as exc:
+            raise ServiceUnavailable(exc.message, code=exc.code, headers={"retry-after": "1"}) from None
 
     def _failover(self, requested: str, served_by: str) -> None:
         self.accounting.metrics.failovers.labels(requested, served_by).inc()

@@ -168,6 +168,10 @@ class Routing:
                 candidates = routable
         return candidates
 
+    def scores_adapters(self, tier: str) -> bool:
+        router = self.routers.get(tier)
+        return router is not None and router.scores_adapters
+
     def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
         """The 503 for a request that nothing in its tier or fallback tier can serve."""
         fallback = self.config.fleet.tier(ctx.tier).fallback

@@ -13,6 +13,8 @@ Example TOML:
     output = "2.00"
     [pricing.replicas.standard-0]
     hourly_usd = "1.20"
+    [pricing.adapters.support]       # a LoRA adapter: its base model's prices, plus 10 %
+    surcharge = "0.10"
     [pricing.ledger]
     journal_dir = "/var/lib/yieldgate/ledger"
     store = "sqlite"               # or "redis"
@@ -61,6 +63,12 @@ class ReplicaCost(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+class AdapterPrice(msgspec.Struct, forbid_unknown_fields=True):
+    """A LoRA adapter's price: its base model's for the tier, times (1 + surcharge)."""
+
+    surcharge: Decimal = Decimal("0")
+
+
 class LedgerConfig(msgspec.Struct, forbid_unknown_fields=True):
     journal_dir: str = "~/.yieldgate/ledger"
     store: Literal["sqlite", "redis"] = "sqlite"
@@ -92,5 +100,7 @@ class PricingConfig(msgspec.Struct, forbid_unknown_fields=True):
     # models[model][tier]; the "default" model entry prices unknown model names.
     models: dict[str, dict[str, TierPrice]] = msgspec.field(default_factory=_default_models)
     replicas: dict[str, ReplicaCost] = msgspec.field(default_factory=dict)
+    # adapters[name]; the "default" entry prices adapters not listed; none: the base model's prices.
+    adapters: dict[str, AdapterPrice] = msgspec.field(default_factory=dict)
     ledger: LedgerConfig = msgspec.field(default_factory=LedgerConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from .config import CACHED_INPUT_RATIO, OUTPUT_RATIO, PricingConfig, ResolvedTierPrice, TierPrice
+from .config import AdapterPrice, CACHED_INPUT_RATIO, OUTPUT_RATIO, PricingConfig, ResolvedTierPrice, TierPrice
 from .cost import Cost, Usage
 from .errors import InvalidPrice
 
@@ -39,8 +39,21 @@ class PriceBook:
             for tier, price in tiers.items():
                 self._prices[(model, tier)] = resolve(price, f"pricing.models.{model}.{tier}")
         self._default_tiers = {t for (m, t) in self._prices if m == DEFAULT_MODEL}
+        # (model, tier, adapter) -> price, resolved here so that a bad surcharge fails at start-up.
+        self._adapters = config.adapters
+        self._adapter_prices: dict[tuple[str, str, str], ResolvedTierPrice] = {}
+        for adapter, entry in config.adapters.items():
+            for (model, tier), price in self._prices.items():
+                self._adapter_prices[(model, tier, adapter)] = _surcharged(price, entry, f"pricing.adapters.{adapter}")
 
-    def price(self, model: str, tier: str) -> ResolvedTierPrice:
+    def price(self, model: str, tier: str, adapter: str = "") -> ResolvedTierPrice:
+        """The list price of (model, tier), or of LoRA adapter `adapter` of that model."""
+        if adapter and self._adapters:
+            key = adapter if adapter in self._adapters else DEFAULT_MODEL
+            if key in self._adapters:
+                found = self._adapter_prices.get((model, tier, key)) or self._adapter_prices.get((DEFAULT_MODEL, tier, key))
+                if found is not None:
+                    return found
         found = self._prices.get((model, tier))
         if found is None:
             found = self._prices.get((DEFAULT_MODEL, tier))
@@ -48,8 +61,8 @@ class PriceBook:
             raise KeyError(f"no price for model {model!r} tier {tier!r} and no default.{tier} entry")
         return found
 
-    def cost(self, model: str, tier: str, usage: Usage) -> Cost:
-        p = self.price(model, tier)
+    def cost(self, model: str, tier: str, usage: Usage, adapter: str = "") -> Cost:
+        p = self.price(model, tier, adapter)
         # scaleb(-6) divides by 1M exactly (exponent shift, no rounding).
         return Cost(
             uncached_input=(p.input * usage.uncached_tokens).scaleb(-6),
@@ -57,11 +70,17 @@ class PriceBook:
             output=(p.output * usage.completion_tokens).scaleb(-6),
         )
 
-    def max_cost(self, model: str, tier: str, prompt_tokens: int, max_completion_tokens: int) -> Cost:
+    def max_cost(self, model: str, tier: str, prompt_tokens: int, max_completion_tokens: int,
+                 adapter: str = "") -> Cost:
         """Upper bound of a request's cost (nothing cached, every allowed token generated): the
         amount a budget reserves before the request goes upstream."""
-        return self.cost(model, tier, Usage(prompt_tokens, 0, max_completion_tokens))
+        return self.cost(model, tier, Usage(prompt_tokens, 0, max_completion_tokens), adapter)
 
     def tiers(self, model: str) -> list[str]:
         own = {t for (m, t) in self._prices if m == model}
         return sorted(own | self._default_tiers)
+
+
+def _surcharged(price: ResolvedTierPrice, entry: AdapterPrice, what: str) -> ResolvedTierPrice:
+    factor = 1 + _check(entry.surcharge, what + ".surcharge")
+    return ResolvedTierPrice(*(_check(p * factor, what) for p in (price.input, price.cached_input, price.output)))

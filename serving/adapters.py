@@ -8,6 +8,11 @@ produced by two versions, and the version a response is labelled with is the one
 (vLLM's in-place reload would swap the weights under requests already running). It also keys
 vLLM's prefix cache by version: the engine hashes blocks of a LoRA request with the adapter's name
 and path, so a new version never reuses the old one's cached blocks.
+
+Placement is `all` (every replica of the adapter's tiers) or `replicas: N` (loaded on demand: where
+a request finds no replica holding it, on at most N replicas, unloading the least recently used
+idle adapter when a replica's `max_loras` slots are full). The registry and residency live in
+Redis (serving/adapter_store.py), so gateways that share it agree on them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from typing import Iterable
 
 import msgspec
 
+from .adapter_store import AdapterStore, LocalStore
+from .config import LoraConfig
 from .fleet import Fleet, Replica
 from .lora import LoraClient, LoraEngineError
 
@@ -31,7 +38,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # no ":" (tier suffix)
 # How long a retired version waits for its last requests before it is unloaded regardless.
 RETIRE_WAIT_S = 600.0
 
-LOADING, RESIDENT, FAILED = "loading", "resident", "failed"
+LOADING, RESIDENT, FAILED, UNLOADING = "loading", "resident", "failed", "unloading"
 
 
 class AdapterError(Exception):
@@ -53,6 +60,12 @@ class AdapterConflict(AdapterError):
     status, code = 409, "adapter_conflict"
 
 
+class AdapterUnavailable(AdapterError):
+    """A request's adapter could not be loaded on any replica in time: retry later."""
+
+    status, code = 503, "adapter_unavailable"
+
+
 class AdapterLoadFailed(AdapterError):
     """An engine refused the version (missing, unreadable or malformed adapter): nothing changed."""
 
@@ -68,14 +81,17 @@ class AdapterVersion(msgspec.Struct):
 class Placement(msgspec.Struct):
     """One version on one replica."""
 
-    state: str                    # loading | resident | failed
+    state: str                    # loading | resident | failed | unloading
     error: str = ""
+    # The engine process it was loaded into (its start time): a restarted engine holds nothing.
+    engine_started: float = 0.0
 
 
 class Adapter(msgspec.Struct):
     name: str
     base: str                     # the model it adapts (the fleet's model)
-    tiers: list[str]              # placed on every replica of these tiers
+    tiers: list[str]              # placed on replicas of these tiers
+    replicas: int = 0             # 0: on every replica of the tiers; N: on at most N, loaded on demand
     versions: list[AdapterVersion] = []
     current: str = ""             # the version new requests get
     history: list[str] = []       # versions that were current, oldest first: rollback steps back
@@ -111,25 +127,92 @@ class AdapterRoute:
 class Adapters:
     """The fleet's adapters: registry, placement on replicas, version switches, rollback."""
 
-    def __init__(self, fleet: Fleet, client: LoraClient | None = None):
+    def __init__(self, fleet: Fleet, client: LoraClient | None = None, store: AdapterStore | None = None):
         self.fleet = fleet
         self.base = fleet.config.model
+        self.lora: LoraConfig = fleet.config.lora
         self.client = client or LoraClient()
+        self.store: AdapterStore = store or LocalStore()
         self.adapters: dict[str, Adapter] = {}
         self._inflight: Counter[str] = Counter()   # engine name -> requests sent to it, not over
         self._routes: dict[str, AdapterRoute] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._retiring: set[asyncio.Task] = set()
-        self._reloads: set[asyncio.Task] = set()
+        self._used: dict[str, float] = {}          # "replica \t engine" -> last request (unix time)
+        self._touched: dict[str, float] = {}       # ... not written to the store yet
+        self._writes = 0                           # local changes: a read begun before one is stale
+        self._tasks: set[asyncio.Task] = set()     # retiring versions, reloads after restarts, syncs
+        self._loads: dict[str, asyncio.Task] = {}  # engine name -> its load on demand
         fleet.on_restart.append(self.refill)
         fleet.on_join.append(self._joined)
 
+    async def start(self, store: AdapterStore) -> None:
+        """Share the registry through `store` (read now, then every `lora.sync_s`)."""
+        self.store = store
+        await self.sync()
+        if store.shared:
+            self._spawn(self._sync_every(self.lora.sync_s))
+
     async def close(self) -> None:
-        tasks = self._retiring | self._reloads
+        tasks = self._tasks | set(self._loads.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
+        await self.store.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- the shared registry ---------------------------------------------------------------------
+
+    async def _sync_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.sync()
+
+    async def sync(self) -> None:
+        """Take in what other gateways wrote (a read that overlapped a change of ours is dropped:
+        the next one sees both)."""
+        try:
+            if self._touched:
+                touched, self._touched = self._touched, {}
+                await self.store.used(touched)
+            writes = self._writes
+            got = await self.store.read()
+        except Exception as exc:  # noqa: BLE001 - Redis down: keep serving what we know
+            log.warning("adapter registry not read: %s: %s", type(exc).__name__, exc)
+            return
+        if got is None or writes != self._writes:
+            return
+        remote, used = got
+        for name, fresh in remote.items():
+            local = self.adapters.get(name)
+            if local is None:
+                self.adapters[name] = fresh
+            else:  # the same object: tasks holding it see the change
+                for field in fresh.__struct_fields__:
+                    setattr(local, field, getattr(fresh, field))
+        for name in set(self.adapters) - set(remote):
+            del self.adapters[name]
+            self._routes.pop(name, None)
+        for key, at in used.items():
+            self._used[key] = max(at, self._used.get(key, 0.0))
+
+    async def _set(self, adapter: Adapter, engine: str, replica: str, placement: Placement | None) -> None:
+        self._writes += 1
+        if placement is None:
+            adapter.placements.get(engine, {}).pop(replica, None)
+            if not adapter.placements.get(engine, True):
+                del adapter.placements[engine]
+        else:
+            adapter.placements.setdefault(engine, {})[replica] = placement
+        await self.store.place(adapter.name, engine, replica, placement)
+
+    async def _save(self, adapter: Adapter) -> None:
+        self._writes += 1
+        await self.store.save(adapter)
 
     # -- the request path --------------------------------------------------------------------------
 
@@ -141,7 +224,8 @@ class Adapters:
         route = self._routes.get(model)
         if route is None or route.version != adapter.current:  # one object per version, not per request
             record = adapter.version(adapter.current)
-            assert record is not None
+            if record is None:
+                return None
             route = self._routes[model] = AdapterRoute(adapter.name, adapter.current, record.path)
         return route
 
@@ -154,28 +238,150 @@ class Adapters:
         if self._inflight[name] <= 0:
             del self._inflight[name]
 
+    def touch(self, route: AdapterRoute, replica: Replica) -> None:
+        """A request for the adapter goes to `replica` (least-recently-used unloading reads this)."""
+        key = f"{replica.name}\t{route.engine_name}"
+        self._used[key] = self._touched[key] = time.time()
+
     def holds(self, route: AdapterRoute, replica: Replica) -> bool:
         adapter = self.adapters.get(route.name)
         if adapter is None:
             return False
         placed = adapter.placements.get(route.engine_name, {}).get(replica.name)
-        return placed is not None and placed.state == RESIDENT
+        return placed is not None and placed.state == RESIDENT and _same_engine(placed, replica)
+
+    def affinity(self, route: AdapterRoute, replica: Replica) -> float:
+        """1 where the version is resident, 0.5 where a slot is free, 0 where loading it means
+        unloading another adapter."""
+        if self.holds(route, replica):
+            return 1.0
+        return 0.5 if len(self._resident(replica)) < self.lora.max_loras else 0.0
 
     def names(self) -> list[str]:
         return sorted(n for n, a in self.adapters.items() if a.current)
 
-    # -- admin -----------------------------------------------------------------------------------
+    async def ensure(self, route: AdapterRoute, replicas: list[Replica]) -> None:
+        """Load the request's adapter version on one of `replicas` (no replica of them holds it),
+        waiting at most `lora.load_wait_s`; AdapterUnavailable if it cannot. Requests that arrive
+        meanwhile wait for the same load."""
+        key = route.engine_name if len(replicas) != 1 else f"{route.engine_name}\t{replicas[0].name}"
+        task = self._loads.get(key)
+        if task is None:
+            task = self._loads[key] = asyncio.create_task(self._load_somewhere(route, replicas))
+            task.add_done_callback(lambda t: self._loaded(key, t))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.lora.load_wait_s)
+        except TimeoutError:
+            raise AdapterUnavailable(f"Adapter '{route.label}' did not load within {self.lora.load_wait_s:g} s; "
+                                     "retry shortly.") from None
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+    def may_spread(self, route: AdapterRoute) -> bool:
+        """An adapter placed on demand that is on fewer replicas than it may be."""
+        adapter = self.adapters.get(route.name)
+        return adapter is not None and adapter.replicas > 0 and \
+            sum(self.holds(route, r) for r in self.fleet.replicas.values()) < adapter.replicas
+
+    def spread(self, route: AdapterRoute, replicas: list[Replica]) -> None:
+        """Demand beyond its replicas: an adapter placed on up to N replicas whose every holder
+        has requests in flight is loaded, in the background, on one more replica with a free slot."""
+        adapter = self.adapters.get(route.name)
+        if adapter is None or not adapter.replicas or route.engine_name in self._loads:
+            return
+        holders = [r for r in self.fleet.replicas.values() if self.holds(route, r)]
+        if len(holders) >= adapter.replicas or min((r.inflight for r in holders), default=0) < 1:
+            return
+        free = [r for r in replicas if r not in holders and self.affinity(route, r) > 0]
+        if free:
+            task = self._loads[route.engine_name] = asyncio.create_task(self._load_somewhere(route, free[:1]))
+            task.add_done_callback(lambda t: self._loaded(route.engine_name, t))
+
+    def _loaded(self, engine: str, task: asyncio.Task) -> None:
+        if self._loads.get(engine) is task:
+            del self._loads[engine]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("adapter %s: %s", engine, task.exception())
+
+    async def _load_somewhere(self, route: AdapterRoute, replicas: list[Replica]) -> None:
+        adapter = self.adapters.get(route.name)
+        record = adapter.version(route.version) if adapter is not None else None
+        if adapter is None or record is None:
+            raise AdapterUnavailable(f"Adapter '{route.label}' was removed meanwhile.")
+        errors = []
+        for replica in self._ranked(route, replicas):
+            try:
+                await self._load_on(adapter, record, replica, evict=True)
+                return
+            except (AdapterError, LoraEngineError) as exc:
+                errors.append(f"{replica.name}: {getattr(exc, 'message', exc)}")
+        raise AdapterUnavailable(f"Adapter '{route.label}' could not be loaded: " + ("; ".join(errors)
+                                 or "no replica to load it on."))
+
+    def _ranked(self, route: AdapterRoute, replicas: list[Replica]) -> list[Replica]:
+        """Where to load it: a free slot before one that must be emptied, then the least loaded."""
+        return sorted(replicas, key=lambda r: (-self.affinity(route, r), r.inflight))
+
+    # -- slots on one replica ----------------------------------------------------------------------
+
+    def _resident(self, replica: Replica) -> list[tuple[Adapter, str]]:
+        """(adapter, engine name) of every version resident on the replica's current engine."""
+        return [(a, e) for a in self.adapters.values() for e, placed in a.placements.items()
+                if (p := placed.get(replica.name)) is not None and p.state in (RESIDENT, UNLOADING)
+                and _same_engine(p, replica)]
+
+    async def _load_on(self, adapter: Adapter, record: AdapterVersion, replica: Replica, evict: bool) -> None:
+        """Load one version on one replica (one load or unload at a time per replica, across
+        gateways); with `evict`, empty a slot first when all `max_loras` are taken."""
+        engine = engine_name(adapter.name, record.version)
+        async with self.store.lock(f"replica:{replica.name}"):
+            await self.sync()
+            route = AdapterRoute(adapter.name, record.version, record.path)
+            if self.holds(route, replica):
+                return
+            while evict and len(self._resident(replica)) >= self.lora.max_loras:
+                keep = {engine, engine_name(adapter.name, adapter.current)}
+                await self._evict_one(replica, keep)
+            await self._set(adapter, engine, replica.name, Placement(LOADING))
+            try:
+                await self._load(replica, engine, record.path)
+            except LoraEngineError as exc:
+                await self._set(adapter, engine, replica.name, Placement(FAILED, str(exc)))
+                raise
+            await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
+            self.touch(route, replica)  # just loaded for a request: not the next one to go
+            await self.store.used({f"{replica.name}\t{engine}": self._used[f"{replica.name}\t{engine}"]})
+
+    async def _evict_one(self, replica: Replica, keep: set[str]) -> None:
+        """Unload the least recently used adapter of the replica that no request is using (here or,
+        as the engine reports, through another gateway). Adapters placed on every replica stay."""
+        victims = sorted(((a, e) for a, e in self._resident(replica)
+                          if a.replicas and e not in keep and not self._inflight.get(e)),
+                         key=lambda ae: self._used.get(f"{replica.name}\t{ae[1]}", 0.0))
+        for adapter, engine in victims:
+            # Other gateways stop sending it there (they read `unloading` within one sync), then
+            # the engine must show no request of it running or waiting.
+            await self._set(adapter, engine, replica.name, Placement(UNLOADING, engine_started=replica.engine_started or 0.0))
+            await asyncio.sleep(2 * self.lora.sync_s if self.store.shared else 0)
+            if self._inflight.get(engine) or engine in await self.client.busy(replica.url):
+                await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
+                continue
+            await self._unload(replica, engine)
+            await self._set(adapter, engine, replica.name, None)
+            log.warning("adapter %s unloaded from %s (least recently used; its slot is needed)", engine, replica.name)
+            return
+        raise AdapterUnavailable(f"All {self.lora.max_loras} adapter slots of replica {replica.name} hold "
+                                 "adapters that are in use or placed on every replica.")
+
+    # -- admin -----------------------------------------------------------------------------------
 
     def _replicas(self, tiers: Iterable[str]) -> list[Replica]:
         wanted = set(tiers)
         return [r for r in self.fleet.replicas.values() if r.tier in wanted and not r.leaving]
 
-    async def push(self, name: str, version: str, path: str, tiers: list[str] | None = None) -> Adapter:
-        """Load `version` of adapter `name` from `path` on every replica of its tiers, then make it
-        the version requests get. A version any engine refuses changes nothing."""
+    async def push(self, name: str, version: str, path: str, tiers: list[str] | None = None,
+                   replicas: int = 0) -> Adapter:
+        """Load `version` of adapter `name` from `path` where it is placed (every replica of its
+        tiers, or for `replicas: N` where its current version is, else on one replica), then make
+        it the version requests get. A version any engine refuses changes nothing."""
         if not _NAME.match(name) or name == self.base:
             raise AdapterError(f"Invalid adapter name {name!r}: letters, digits, '.', '_' or '-' "
                                f"(at most 64), and not the base model's name.")
@@ -183,7 +389,10 @@ class Adapters:
             raise AdapterError(f"Invalid version {version!r}: letters, digits, '.', '_' or '-' (at most 64).")
         if not path.startswith("/"):
             raise AdapterError("path must be an absolute path to a PEFT adapter directory the engines can read.")
-        async with self._lock(name):
+        if replicas < 0:
+            raise AdapterError("placement.replicas must be at least 1.")
+        async with self.store.lock(f"adapter:{name}"):
+            await self.sync()
             adapter = self.adapters.get(name)
             known = set(self.fleet.tiers())
             if tiers is not None:
@@ -191,10 +400,11 @@ class Adapters:
                 if unknown or not tiers:
                     raise AdapterError(f"tiers must name tiers of the fleet ({sorted(known)}), not {tiers}.")
             if adapter is None:
-                adapter = Adapter(name=name, base=self.base, tiers=sorted(tiers or known))
-            elif tiers is not None and sorted(tiers) != adapter.tiers:
-                raise AdapterConflict(f"Adapter {name!r} is placed on tiers {adapter.tiers}; a new version "
-                                      "cannot move it (delete it first).")
+                adapter = Adapter(name=name, base=self.base, tiers=sorted(tiers or known), replicas=replicas)
+            elif (tiers is not None and sorted(tiers) != adapter.tiers) or replicas != adapter.replicas:
+                raise AdapterConflict(f"Adapter {name!r} is placed on tiers {adapter.tiers} "
+                                      f"({_placement(adapter.replicas)}); a new version cannot move it "
+                                      "(delete it first).")
             if adapter.version(version) is not None:
                 raise AdapterConflict(f"Adapter {name!r} already has version {version!r}; push a new version.")
             fresh = name not in self.adapters
@@ -202,37 +412,45 @@ class Adapters:
             adapter.versions.append(record)
             if fresh:
                 self.adapters[name] = adapter  # listed as loading; not routable until it has a current version
+            await self._save(adapter)
             try:
                 await self._place(adapter, record)
             except AdapterLoadFailed:
                 adapter.versions.remove(record)
                 if fresh:
                     del self.adapters[name]
+                    await self.store.drop(name)
+                else:
+                    await self._save(adapter)
                 raise
-            self._switch(adapter, version)
             adapter.history.append(version)
+            await self._switch(adapter, version)
             return adapter
 
     async def rollback(self, name: str) -> Adapter:
         """Back to the version that was current before this one (N-1)."""
-        async with self._lock(name):
+        async with self.store.lock(f"adapter:{name}"):
+            await self.sync()
             adapter = self._get(name)
             if len(adapter.history) < 2:
                 raise AdapterConflict(f"Adapter {name!r} has no earlier version to roll back to.")
             target = adapter.version(adapter.history[-2])
             assert target is not None
             await self._place(adapter, target)
-            self._switch(adapter, target.version)
             adapter.history.pop()
+            await self._switch(adapter, target.version)
             return adapter
 
     async def remove(self, name: str) -> None:
         """Out of the registry at once (requests for it are unknown from now on); unloaded from
         the engines once the requests already sent to it are over."""
-        async with self._lock(name):
+        async with self.store.lock(f"adapter:{name}"):
+            await self.sync()
             adapter = self._get(name)
+            self._writes += 1
             del self.adapters[name]
             self._routes.pop(name, None)
+            await self.store.drop(name)
             for engine in list(adapter.placements):
                 self._retire(adapter, engine)
 
@@ -242,30 +460,33 @@ class Adapters:
             raise UnknownAdapter(f"No adapter named {name!r}.")
         return adapter
 
+    def _targets(self, adapter: Adapter) -> list[Replica]:
+        """Where a new version goes: every replica of the tiers, or (on demand) the replicas that
+        hold the current version, else the one with a free slot or the least loaded."""
+        replicas = self._replicas(adapter.tiers)
+        if not adapter.replicas:
+            return replicas
+        current = AdapterRoute(adapter.name, adapter.current, "")
+        holding = [r for r in replicas if adapter.current and self.holds(current, r)]
+        return holding[:adapter.replicas] or self._ranked(current, [r for r in replicas if r.routable])[:1]
+
     async def _place(self, adapter: Adapter, record: AdapterVersion) -> None:
-        """Load one version on every replica of the adapter's tiers that does not hold it."""
+        """Load one version where it is placed; refused anywhere, it is unloaded everywhere."""
         engine = engine_name(adapter.name, record.version)
-        placed = adapter.placements.setdefault(engine, {})
-        replicas = [r for r in self._replicas(adapter.tiers)
-                    if placed.get(r.name) is None or placed[r.name].state != RESIDENT]
-        if not self._replicas(adapter.tiers):
+        replicas = self._targets(adapter)
+        if not replicas:
             raise AdapterLoadFailed(f"No replica in tiers {adapter.tiers} to load {engine} on.")
-        for r in replicas:
-            placed[r.name] = Placement(LOADING)
-        results = await asyncio.gather(*(self._load(r, engine, record.path) for r in replicas),
-                                       return_exceptions=True)
-        errors = []
-        for replica, result in zip(replicas, results):
-            if isinstance(result, BaseException):
-                placed[replica.name] = Placement(FAILED, str(result))
-                errors.append(f"{replica.name}: {result}")
-            else:
-                placed[replica.name] = Placement(RESIDENT)
+        results = await asyncio.gather(*(self._load_on(adapter, record, r, evict=bool(adapter.replicas))
+                                         for r in replicas), return_exceptions=True)
+        errors = [f"{r.name}: {getattr(x, 'message', x)}" for r, x in zip(replicas, results)
+                  if isinstance(x, BaseException)]
         if errors:
             # Refused somewhere: take it off the replicas that did load it, keep what served before.
+            placed = adapter.placements.get(engine, {})
             await asyncio.gather(*(self._unload(self.fleet.replicas[n], engine) for n, p in placed.items()
                                    if p.state == RESIDENT and n in self.fleet.replicas), return_exceptions=True)
-            del adapter.placements[engine]
+            for replica in list(placed):
+                await self._set(adapter, engine, replica, None)
             raise AdapterLoadFailed(f"Version {record.version!r} of adapter {adapter.name!r} was refused: "
                                     + "; ".join(errors))
 
@@ -280,79 +501,106 @@ class Adapters:
         except LoraEngineError as exc:  # a down engine has forgotten its adapters anyway
             log.warning("unloading %s from %s: %s", engine, replica.name, exc)
 
-    def _switch(self, adapter: Adapter, version: str) -> None:
+    async def _switch(self, adapter: Adapter, version: str) -> None:
         """New requests get `version` from now on; the previous version goes once it is idle."""
         previous, adapter.current = adapter.current, version
+        await self._save(adapter)
         log.warning("adapter %s: version %s serves (was %s)", adapter.name, version, previous or "none")
         if previous and previous != version:
             self._retire(adapter, engine_name(adapter.name, previous))
 
     def _retire(self, adapter: Adapter, engine: str) -> None:
-        task = asyncio.create_task(self._unload_when_idle(adapter, engine))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
+        self._spawn(self._unload_when_idle(adapter, engine))
 
     async def _unload_when_idle(self, adapter: Adapter, engine: str) -> None:
         deadline = time.monotonic() + RETIRE_WAIT_S
+        if self.store.shared:  # other gateways see the switch (or the removal) within a sync
+            await asyncio.sleep(2 * self.lora.sync_s)
         while self._inflight.get(engine, 0) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        async with self._lock(adapter.name):
+        async with self.store.lock(f"adapter:{adapter.name}"):
+            await self.sync()
             if adapter.current and engine_name(adapter.name, adapter.current) == engine \
                     and self.adapters.get(adapter.name) is adapter:
                 return  # rolled back to it meanwhile: it serves again
-            placed = adapter.placements.pop(engine, {})
-            await asyncio.gather(*(self._unload(self.fleet.replicas[n], engine) for n in placed
-                                   if n in self.fleet.replicas))
+            for name in list(adapter.placements.get(engine, {})):
+                replica = self.fleet.replicas.get(name)
+                if replica is not None:
+                    while engine in await self._busy(replica) and time.monotonic() < deadline:
+                        await asyncio.sleep(0.1)  # still running for another gateway's request
+                    await self._unload(replica, engine)
+                await self._set(adapter, engine, name, None)
         log.warning("adapter %s unloaded", engine)
+
+    async def _busy(self, replica: Replica) -> set[str]:
+        try:
+            return await self.client.busy(replica.url)
+        except LoraEngineError:
+            return set()  # not answering: nothing runs there
 
     # -- replicas that lost their adapters or never had them ------------------------------------
 
     def refill(self, replica: Replica) -> None:
         """The replica's engine holds none of its adapters (it restarted): every version placed
-        there is loading again, and adapter requests skip the replica until it is resident."""
+        there is loaded again; adapter requests skip the replica until it is resident there (a
+        placement counts only for the engine process it was loaded into)."""
         for adapter in self.adapters.values():
             wanted = [e for e, placed in adapter.placements.items() if replica.name in placed]
-            if replica.tier in adapter.tiers and adapter.current:
+            if replica.tier in adapter.tiers and adapter.current and not adapter.replicas:
                 wanted = list(dict.fromkeys(wanted + [engine_name(adapter.name, adapter.current)]))
             for engine in wanted:
                 version = adapter.version(engine.split("@", 1)[1])
-                if version is None:
-                    continue
-                adapter.placements.setdefault(engine, {})[replica.name] = Placement(LOADING)
-                task = asyncio.create_task(self._reload(adapter, engine, version.path, replica))
-                self._reloads.add(task)
-                task.add_done_callback(self._reloads.discard)
+                if version is not None:
+                    self._writes += 1  # shown as loading again at once (and written by `_reload`)
+                    adapter.placements.setdefault(engine, {})[replica.name] = Placement(LOADING)
+                    self._spawn(self._reload(adapter, version, replica))
 
     async def _joined(self, replica: Replica) -> None:
         self.refill(replica)
 
-    async def _reload(self, adapter: Adapter, engine: str, path: str, replica: Replica,
+    async def _reload(self, adapter: Adapter, record: AdapterVersion, replica: Replica,
                       wait_s: float = 300.0) -> None:
+        engine = engine_name(adapter.name, record.version)
+        await self.store.place(adapter.name, engine, replica.name, Placement(LOADING))
         deadline = time.monotonic() + wait_s
         while not replica.healthy and time.monotonic() < deadline:  # up, then routable
             await asyncio.sleep(0.2)
+        if engine not in adapter.placements and engine_name(adapter.name, adapter.current) != engine:
+            return  # retired meanwhile
         try:
-            await self._load(replica, engine, path)
-            state = Placement(RESIDENT)
-        except LoraEngineError as exc:
-            state = Placement(FAILED, str(exc))
-        placed = adapter.placements.get(engine)
-        if placed is not None and replica.name in placed:  # not retired meanwhile
-            placed[replica.name] = state
-            log.warning("adapter %s on %s after its engine restarted: %s", engine, replica.name, state.state)
-        else:
-            await self._unload(replica, engine)
+            await self._load_on(adapter, record, replica, evict=False)
+        except (AdapterError, LoraEngineError) as exc:
+            log.warning("adapter %s on %s after its engine restarted: %s", engine, replica.name, exc)
+            return
+        log.warning("adapter %s on %s after its engine restarted: resident", engine, replica.name)
 
-    def status(self) -> list[dict]:
+    async def status(self) -> list[dict]:
         """GET /admin/adapters: each adapter's versions and where each version is."""
+        await self.sync()
         out = []
         for adapter in sorted(self.adapters.values(), key=lambda a: a.name):
             doc = msgspec.to_builtins(adapter)
+            del doc["placements"]
+            doc["placement"] = "all" if not adapter.replicas else {"replicas": adapter.replicas}
             doc["replicas"] = {
                 replica: {version: p.state for version, p in (
                     (e.split("@", 1)[1], placed.get(replica)) for e, placed in adapter.placements.items())
-                    if p is not None}
+                    if p is not None and self._current_engine(replica, p)}
                 for replica in sorted({r for placed in adapter.placements.values() for r in placed})}
+            doc["replicas"] = {r: v for r, v in doc["replicas"].items() if v}
             doc["inflight"] = {e: self._inflight.get(e, 0) for e in adapter.placements}
             out.append(doc)
         return out
+
+    def _current_engine(self, replica: str, placement: Placement) -> bool:
+        r = self.fleet.replicas.get(replica)
+        return r is None or _same_engine(placement, r)
+
+
+def _same_engine(placement: Placement, replica: Replica) -> bool:
+    return not placement.engine_started or not replica.engine_started \
+        or placement.engine_started == replica.engine_started
+
+
+def _placement(replicas: int) -> str:
+    return "every replica" if not replicas else f"at most {replicas} replicas, on demand"

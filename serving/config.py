@@ -51,10 +51,19 @@ class LoraConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     enabled: bool = True
     max_loras: int = 2            # adapters in one batch, and adapters an engine holds at once
     max_rank: int = 8             # the largest rank an adapter may have (vLLM: 1, 8, 16, 32, 64, ...)
+    # A request for an adapter that no replica of its tier holds waits this long for it to load
+    # (a 503 `adapter_unavailable` after that).
+    load_wait_s: float = 30.0
+    # How often a gateway reads the adapter registry and residency other gateways wrote to Redis.
+    sync_s: float = 0.5
+    # Adapters with Prometheus series of their own; requests for the rest count as adapter="other".
+    metric_series: int = 32
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError("lora.max_loras must be at least 1")
+        if self.load_wait_s <= 0 or self.sync_s <= 0:
+            raise ValueError("lora.load_wait_s and lora.sync_s must be > 0")
         if self.max_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
             raise ValueError(f"lora.max_rank must be one vLLM accepts (1, 8, 16, 32, ...), not {self.max_rank}")
 

@@ -49,8 +49,13 @@ class LoraClient:
         raise LoraEngineError(url, path, resp.status, _message(text))
 
     async def load(self, url: str, name: str, path: str) -> None:
-        """Register adapter `name` from the PEFT directory `path` (readable by the engine)."""
-        await self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        """Register adapter `name` from the PEFT directory `path` (readable by the engine). A name
+        the engine holds already is no error: another gateway loaded the same version first."""
+        try:
+            await self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except LoraEngineError as exc:
+            if exc.status != 400 or "already been loaded" not in exc.message:
+                raise
 
     async def load_inplace(self, url: str, name: str, path: str) -> None:
         """Replace the weights of the loaded adapter `name`. Requests running on it at that moment
@@ -78,6 +83,30 @@ class LoraClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             raise LoraEngineError(url, "/v1/models", 0, f"{type(exc).__name__}: {exc}") from None
         return {c["id"]: c.get("root") or "" for c in cards if isinstance(c, dict) and c.get("parent")}
+
+
+    async def busy(self, url: str) -> set[str]:
+        """The adapters the engine is running or has waiting now (`vllm:lora_requests_info`, whose
+        newest label set is the engine's last step; empty when nothing runs there)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        session = await self._http()
+        try:
+            async with session.get(url + "/metrics") as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise LoraEngineError(url, "/metrics", 0, f"{type(exc).__name__}: {exc}") from None
+        newest, active = None, 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "vllm:lora_requests_info" and (newest is None or s.value > newest.value):
+                    newest = s
+                elif s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                    active += s.value
+        if newest is None or not active:
+            return set()
+        names = newest.labels.get("running_lora_adapters", "") + "," + newest.labels.get("waiting_lora_adapters", "")
+        return {n for n in names.split(",") if n}
 
 
 def _message(text: str) -> str:

@@ -124,6 +124,13 @@ def stack(tmp_path_factory, redis_url) -> Stack:
         )
         return
 
+    import redis
+
+    # The adapter registry outlives a gateway in Redis: a new stack starts with none.
+    with redis.Redis.from_url(redis_url) as r:
+        stale = list(r.scan_iter("yg:adapters:*"))
+        if stale:
+            r.delete(*stale)
     home = tmp_path_factory.mktemp("yieldgate-home")
     # The generated model is shared across runs; engine logs and ledger stay in the temp home.
     model_dir = ensure_demo_model()

@@ -79,6 +79,24 @@ def test_bad_prices_are_rejected():
         PriceBook(PricingConfig(models={"default": {"standard": msgspec.convert({"input": "-1"}, type=TierPrice)}}))
 
 
+def test_adapters_cost_their_base_models_price_plus_their_surcharge():
+    config = msgspec.toml.decode(TOML + b'''
+[adapters.support]
+surcharge = "0.25"
+[adapters.default]
+surcharge = "0.10"
+''', type=PricingConfig)
+    book = PriceBook(config)
+    usage = Usage(prompt_tokens=1000, cached_tokens=600, completion_tokens=50)
+    base = book.cost("demo", "standard", usage)
+    assert book.cost("demo", "standard", usage, "support").total == base.total * Decimal("1.25")
+    assert book.cost("demo", "standard", usage, "unlisted").total == base.total * Decimal("1.10")
+    assert book.price("other", "fast", "support").input == Decimal("1.00") * Decimal("1.25")
+    assert PriceBook().cost("demo", "standard", usage, "any").total == PriceBook().cost("demo", "standard", usage).total
+    with pytest.raises(InvalidPrice):
+        PriceBook(msgspec.convert({"adapters": {"x": {"surcharge": "-2"}}}, type=PricingConfig))
+
+
 usages = st.builds(
     lambda p, frac, c: Usage(p, p * frac // 100, c),
     st.integers(0, 10**9), st.integers(0, 100), st.integers(0, 10**9))

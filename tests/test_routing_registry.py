@@ -59,3 +59,16 @@ def test_a_registered_scorer_is_usable_by_name():
     register_scorer("prefer_r2", lambda config: Prefer("r2"))
     router = Router("pinned", pipeline=PipelineSpec(scorers=[WeightedScorer("prefer_r2")]))
     assert {router.pick(RouteRequest(), replicas([0, 0, 9])).replica.name for _ in range(3)} == {"r2"}
+
+
+def test_adapter_affinity_prefers_resident_then_a_free_slot_and_composes_with_load():
+    router = Router("adapters", pipeline=PipelineSpec(scorers=[WeightedScorer("adapter_affinity", 1.5),
+                                                               WeightedScorer("load")]))
+    assert router.scores_adapters and not Router("cache_aware").scores_adapters
+    affinity = {"r0": 0.0, "r1": 0.5, "r2": 1.0}   # must evict, free slot, resident
+    assert router.pick(RouteRequest(adapter_affinity=affinity), replicas([0, 0, 0])).replica.name == "r2"
+    # A busy resident replica loses to an idle one with a free slot, never to one that must evict.
+    assert router.pick(RouteRequest(adapter_affinity=affinity), replicas([0, 0, 9])).replica.name == "r1"
+    assert router.pick(RouteRequest(adapter_affinity={"r0": 0.0, "r1": 1.0}), replicas([0, 9])).replica.name == "r1"
+    # Base-model requests: every replica scores the same, load decides.
+    assert router.pick(RouteRequest(), replicas([4, 1, 3])).replica.name == "r1"

@@ -1,0 +1,137 @@
+"""Where the adapter registry and per-replica residency live, so that gateways agree on them.
+
+`LocalStore`: one gateway's memory (and `asyncio` locks). `RedisStore`: a Redis hash of
+registry entries (name -> the adapter without its placements), a hash of residency entries
+(`name \\t engine name \\t replica` -> placement, written field by field so gateways that load
+different adapters never overwrite each other), a hash of last-use times for LRU unloading, and
+Redis locks, so two gateways never load or unload on one replica at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from .adapters import Adapter, Placement
+
+log = logging.getLogger("yieldgate.adapters")
+
+LOCK_S = 300.0   # a lock's lease: longer than any engine load, released early by its holder
+
+
+class AdapterStore(Protocol):
+    shared: bool
+
+    async def read(self) -> tuple[dict[str, "Adapter"], dict[str, float]] | None:
+        """Every adapter with its placements, and last-use times (`replica \\t engine` -> unix
+        time); None when the store is this gateway's memory (nothing to read back)."""
+
+    async def save(self, adapter: "Adapter") -> None: ...
+
+    async def drop(self, name: str) -> None: ...
+
+    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None: ...
+
+    async def used(self, times: dict[str, float]) -> None: ...
+
+    def lock(self, key: str) -> contextlib.AbstractAsyncContextManager: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalStore:
+    shared = False
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def read(self) -> None:
+        return None
+
+    async def save(self, adapter: "Adapter") -> None:
+        pass
+
+    async def drop(self, name: str) -> None:
+        pass
+
+    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None:
+        pass
+
+    async def used(self, times: dict[str, float]) -> None:
+        pass
+
+    def lock(self, key: str) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    async def close(self) -> None:
+        pass
+
+
+class RedisStore:
+    shared = True
+
+    def __init__(self, client: "aioredis.Redis", prefix: str):
+        self.client, self.prefix = client, prefix
+        self._registry, self._residency, self._used = prefix + "registry", prefix + "residency", prefix + "used"
+
+    async def read(self) -> tuple[dict[str, "Adapter"], dict[str, float]]:
+        from .adapters import Adapter, Placement
+
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._registry).hgetall(self._residency).hgetall(self._used)
+            registry, residency, used = await pipe.execute()
+        adapters = {k.decode(): msgspec.msgpack.decode(v, type=Adapter) for k, v in registry.items()}
+        for field, value in residency.items():
+            name, engine, replica = field.decode().split("\t")
+            if name in adapters:
+                adapters[name].placements.setdefault(engine, {})[replica] = \
+                    msgspec.msgpack.decode(value, type=Placement)
+        return adapters, {k.decode(): float(v) for k, v in used.items()}
+
+    async def save(self, adapter: "Adapter") -> None:
+        entry = msgspec.structs.replace(adapter, placements={})
+        await self.client.hset(self._registry, adapter.name, msgspec.msgpack.encode(entry))
+
+    async def drop(self, name: str) -> None:
+        await self.client.hdel(self._registry, name)
+
+    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None:
+        field = f"{name}\t{engine}\t{replica}"
+        if placement is None:
+            await self.client.hdel(self._residency, field)
+        else:
+            await self.client.hset(self._residency, field, msgspec.msgpack.encode(placement))
+
+    async def used(self, times: dict[str, float]) -> None:
+        if times:
+            await self.client.hset(self._used, mapping=times)
+
+    @contextlib.asynccontextmanager
+    async def lock(self, key: str) -> AsyncIterator[None]:
+        async with self.client.lock(self.prefix + "lock:" + key, timeout=LOCK_S, blocking_timeout=LOCK_S):
+            yield
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def open_store(redis_url: str, model: str) -> AdapterStore:
+    """Redis when it answers (the registry is shared), else this gateway's memory."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        await client.ping()
+    except (aioredis.RedisError, OSError) as exc:
+        log.warning("Redis at %s unreachable (%s): the adapter registry stays local to this gateway",
+                    redis_url, type(exc).__name__)
+        await client.aclose()
+        return LocalStore()
+    return RedisStore(client, f"yg:adapters:{model}:")
