@@ -1,4 +1,5 @@
-"""Gateway overhead, side by side: direct to a fake upstream vs yieldgate vs LiteLLM proxy.
+"""Gateway overhead, side by side: direct to a fake upstream vs yieldgate vs the Rust routers
+(vllm-router, smg) vs LiteLLM proxy.
 
 Same machine, same fake upstream (benchmarks/fake_upstream.py), same seeded load from the project's
 own load tester (in its own process), one run. The gateway under test is pinned to core 1 with
@@ -6,7 +7,7 @@ own load tester (in its own process), one run. The gateway under test is pinned 
 
     python benchmarks/gateway_overhead.py --quick          # ~6 min
     python benchmarks/gateway_overhead.py                  # full: ~15-20 min (100k-request RSS run)
-    python benchmarks/gateway_overhead.py --skip-litellm   # yieldgate only
+    python benchmarks/gateway_overhead.py --skip-litellm --skip-routers   # yieldgate only
 
 Reports (JSON, markdown table, PNG in benchmarks/results/gateway_overhead*):
 - added latency (gateway - direct) p50/p99 at fixed open-loop Poisson rates (100, 500, 1000 RPS)
@@ -17,7 +18,11 @@ Reports (JSON, markdown table, PNG in benchmarks/results/gateway_overhead*):
 - yieldgate RSS after 20k and 100k requests (quick mode: 4k and 20k)
 - yieldgate with each switchable feature turned off.
 
-LiteLLM (litellm[proxy]==1.108.*) is installed into its own venv (/tmp/litellm-venv, reused).
+The peers are pinned versions, each installed with pip into a venv of its own under
+~/.cache/yieldgate/bench-venvs (YIELDGATE_BENCH_VENVS; created on first use, then reused): LiteLLM,
+and vLLM's router and Shepherd Model Gateway (Rust, round robin over the same two upstream replicas
+as yieldgate's, no tokenizer, on 127.0.0.1). Every target gets the same phases from the same load
+generator in one run.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
-LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", "/tmp/litellm-venv"))
+BENCH_VENVS = Path(os.environ.get("YIELDGATE_BENCH_VENVS", "~/.cache/yieldgate/bench-venvs")).expanduser()
 LITELLM_SPEC = "litellm[proxy]==1.108.*"
 MODEL_PATH = ""  # set in main(): the generated demo model (its tokenizer drives cache-aware routing)
 # YIELDGATE_BENCH_REDIS_URL: one Redis DB per engineer on a shared machine.
@@ -226,7 +232,10 @@ class Yieldgate:
         cfg.write_text(gateway_config(self.port, upstream, self.workdir, **v))
         env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
         env["YIELDGATE_HOME"] = str(self.workdir)
-        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
+        # Another checkout runs with its own venv's python: an editable install maps `yieldgate` to
+        # one checkout, whatever the working directory.
+        python = code / ".venv" / "bin" / "python" if code != ROOT and (code / ".venv").is_dir() else Path(PY)
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, str(python), "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
         try:
@@ -253,20 +262,30 @@ class Yieldgate:
         stop(self.proc)
 
 
+# -- peers, each in a venv of its own --------------------------------------------------------------------
+
+def bench_venv(spec: str) -> Path:
+    """A venv holding the pip requirement `spec` (a pinned version), created once and reused."""
+    venv = BENCH_VENVS / re.sub(r"[^A-Za-z0-9.]+", "-", spec).strip("-")
+    if not (venv / "installed").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", spec], check=True)
+        (venv / "installed").write_text(spec + "\n")
+    return venv
+
+
+def installed_version(venv: Path, dist: str) -> str:
+    return subprocess.run([str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 # -- LiteLLM ---------------------------------------------------------------------------------------------
-
-def ensure_litellm() -> Path:
-    exe = LITELLM_VENV / "bin" / "litellm"
-    if exe.exists():
-        return exe
-    subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-    subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM_SPEC], check=True)
-    return exe
-
 
 class LiteLLM:
     def __init__(self, upstream: str, workdir: Path):
-        exe = ensure_litellm()
+        venv = bench_venv(LITELLM_SPEC)
+        exe = venv / "bin" / "litellm"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = MASTER_KEY
@@ -292,9 +311,7 @@ general_settings:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DATABASE_URL", "REDIS"))}
         env.update(LITELLM_MASTER_KEY=MASTER_KEY, LITELLM_LOG="ERROR", LITELLM_LOCAL_MODEL_COST_MAP="True",
                    DISABLE_ADMIN_UI="True", NO_DOCS="True", LITELLM_TELEMETRY="False")
-        self.version = subprocess.run([str(LITELLM_VENV / "bin" / "python"), "-c",
-                                       "import importlib.metadata as m; print(m.version('litellm'))"],
-                                      capture_output=True, text=True).stdout.strip()
+        self.version = installed_version(venv, "litellm")
         self.proc = subprocess.Popen(
             ["taskset", "-c", GATEWAY_CORE, str(exe), "--config", str(cfg), "--host", "127.0.0.1",
              "--port", str(self.port), "--num_workers", "1"],
@@ -315,6 +332,50 @@ general_settings:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+# -- the Rust routers ------------------------------------------------------------------------------------
+
+# Pinned: a new release is a new comparison. Both are Rust servers shipped as wheels with a Python
+# launcher; each round-robins over the same two replicas as yieldgate, with no tokenizer and no
+# credential check (what yieldgate's `minimal` variant does, while its "yieldgate" row has every
+# feature on).
+ROUTERS: dict[str, dict[str, Any]] = {
+    "vllm-router": {"spec": "vllm-router==0.1.17", "argv": [], "log_level": "warning"},
+    "smg": {"spec": "smg==1.13.0", "argv": ["launch", "--disable-tokenizer-autoload"], "log_level": "warn"},
+}
+
+
+class RustRouter:
+    def __init__(self, name: str, upstream: str, workdir: Path):
+        spec = ROUTERS[name]
+        venv = bench_venv(spec["spec"])
+        self.version = installed_version(venv, name)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = None
+        d = workdir / name
+        d.mkdir(parents=True, exist_ok=True)
+        # Every listener on loopback: the router and its Prometheus exporter (smg binds that one
+        # to 0.0.0.0 unless told).
+        argv = [str(venv / "bin" / name), *spec["argv"], "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", upstream, upstream, "--policy", "round_robin",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--log-level", spec["log_level"]]
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, *argv], cwd=d, stdin=subprocess.DEVNULL,
+                                     stdout=open(d / "router.log", "wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_http(self.url + "/health", 60, self.proc)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def close(self) -> None:
+        stop(self.proc)
 
 
 # -- the load worker (its own process) ----------------------------------------------------------------
@@ -564,7 +625,36 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
         goals["max_rps_ratio_yieldgate_over_litellm"] = yr / lr if yr and lr else None
         yc, lc = yg.get("cpu_bound_rps_per_core"), ll.get("cpu_bound_rps_per_core")
         goals["cpu_bound_rps_ratio_yieldgate_over_litellm"] = yc / lc if yc and lc else None
+    routers = [n for n in ROUTERS if n in table]
+    if yg and routers:
+        # The goal: every feature on, no more CPU per request and no more added latency than the
+        # fastest Rust router, at 500 and 1,000 RPS.
+        for rate in (500, 1000):
+            at = f"{rate}rps"
+            cpu = {n: table[n][at]["gateway_cpu_us_per_request"] for n in routers}
+            fastest = min(routers, key=lambda n: cpu[n] or float("inf"))
+            mine = yg[at]["gateway_cpu_us_per_request"]
+            goals[f"fastest_router_at_{rate}"] = fastest
+            goals[f"cpu_ratio_yieldgate_over_fastest_router_at_{rate}"] = mine / cpu[fastest] if mine and cpu[fastest] else None
+            for q in ("p50", "p99"):
+                best = min((table[n][at].get(f"added_{q}_ms") for n in routers), key=lambda v: float("inf") if v is None else v)
+                ours = yg[at].get(f"added_{q}_ms")
+                goals[f"added_{q}_ms_yieldgate_minus_best_router_at_{rate}"] = ours - best if ours is not None and best is not None else None
     return {"table": table, "goals": goals}
+
+
+def result_meta(results: dict[str, Any]) -> dict[str, Any]:
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    loads = [x for pair in results.get("loadavg_1min", {}).values() for x in pair]
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(results["started_at"])),
+            "machine": {"cores": os.cpu_count(), "cpu": cpu, "gpu": None,
+                        "load_avg_1m": {"min": min(loads, default=None), "max": max(loads, default=None),
+                                        "per_target": "loadavg_1min"}},
+            "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+            "versions": {"litellm": results.get("litellm_version"), **results.get("versions", {})}}
 
 
 def _f(x: Any, nd: int = 2) -> str:
@@ -581,7 +671,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Gateway overhead ({results['mode']} mode, {time.strftime('%Y-%m-%d %H:%M', time.localtime(results['started_at']))})",
              "", f"Machine: {os.cpu_count()} cores; gateway pinned to core {GATEWAY_CORE}, fake upstream + "
              f"load generator on core {CLIENT_CORE}. Chat requests, ~1.5 KB prompt, 16 output tokens (unary). "
-             f"LiteLLM {results.get('litellm_version') or '-'}. 1-minute load average before/after each "
+             f"yieldgate with every feature on (cache-aware routing with tokenization, API key, cost, ledger, metrics); "
+             + "".join(f"{n} {v} (round robin); " for n, v in results.get("versions", {}).items())
+             + f"LiteLLM {results.get('litellm_version') or '-'}. 1-minute load average before/after each "
              f"target: " + ", ".join(f"{k} {v[0]:.2f}/{v[-1]:.2f}" for k, v in results.get("loadavg_1min", {}).items())
              + " (2 cores; the machine is shared with other engineers, whose runs take the same lock)."
              + (" LiteLLM was measured in a second run against the same upstream settings, "
@@ -644,11 +736,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     names = [n for n in t if n != "direct"]
     rates = [100, 500, 1000]
+    width = 0.8 / max(len(names), 1)
     for ax, q in zip(axes[:2], ("p50", "p99")):
         for i, n in enumerate(names):
             vals = [t[n][f"{r}rps"].get(f"added_{q}_ms") or 0 for r in rates]
-            ax.bar([x + i * 0.35 for x in range(3)], vals, 0.35, label=n)
-        ax.set_xticks([x + 0.175 for x in range(3)], [f"{r} RPS" for r in rates])
+            ax.bar([x + i * width for x in range(3)], vals, width, label=n)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(3)], [f"{r} RPS" for r in rates])
         ax.set_ylabel("ms added over direct")
         ax.set_yscale("symlog", linthresh=1)
         ax.set_title(f"added {q} latency")
@@ -688,9 +781,10 @@ def main() -> None:
     global MODEL_PATH
     from yieldgate.serving.demo_model import ensure_demo_model
     MODEL_PATH = str(ensure_demo_model())
-    p = argparse.ArgumentParser(description="gateway overhead: direct vs yieldgate vs LiteLLM")
+    p = argparse.ArgumentParser(description="gateway overhead: direct vs yieldgate vs the Rust routers vs LiteLLM")
     p.add_argument("--quick", action="store_true", help="fewer requests (~6 min instead of ~20)")
     p.add_argument("--skip-litellm", action="store_true")
+    p.add_argument("--skip-routers", action="store_true", help="don't measure vllm-router and smg")
     p.add_argument("--skip-variants", action="store_true", help="don't measure feature-off variants")
     p.add_argument("--skip-rss", action="store_true")
     p.add_argument("--litellm-only", metavar="RESULTS_JSON",
@@ -740,6 +834,14 @@ def main() -> None:
                     results["variants"][variant] = {r["name"]: r for r in rows}
                 finally:
                     g.close()
+        if not a.skip_routers and not a.litellm_only:
+            for name in ROUTERS:
+                router = RustRouter(name, up_url, workdir)
+                results.setdefault("versions", {})[name] = router.version
+                try:
+                    results["targets"][name] = run_target(name, router.url, None, router.pids, mode, workdir, SWEEP)
+                finally:
+                    router.close()
         if a.litellm_only:
             # The sweep again with this harness (fresh client pool after a pause), so both
             # gateways' max RPS come from the same procedure.
@@ -768,6 +870,7 @@ def main() -> None:
     results["runtime_s"] = results.get("runtime_s", 0) + time.monotonic() - t0
     results["loadavg_1min"] = LOADAVG
     results["analysis"] = analyse(results)
+    results["meta"] = result_meta(results)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))

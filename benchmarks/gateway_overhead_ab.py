@@ -3,6 +3,7 @@
     python benchmarks/gateway_overhead_ab.py [--rate 500 --seconds 40 --rounds 3 --variants full,no_tokenize,no_metrics]
     python benchmarks/gateway_overhead_ab.py --variants full,full@base --code base=/work/base
 
+A variant may also be a Rust router (`vllm-router`, `smg`, run as gateway_overhead.py runs them).
 A variant `NAME@LABEL` runs the gateway of another checkout (`--code LABEL=PATH`, e.g. a git worktree of
 the commit before a change), so two code versions are compared side by side in one run.
 
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,6 +88,9 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, c
         go.cleanup_redis()
         if variant == "direct":
             url, key, pids = f"http://127.0.0.1:{port}", None, [upstream.pid]
+        elif variant in go.ROUTERS:  # a Rust router, as gateway_overhead.py runs it
+            gateway = go.RustRouter(variant, f"http://127.0.0.1:{port}", work)
+            url, key, pids = gateway.url, None, gateway.pids
         else:
             name, _, label = variant.partition("@")
             gateway = go.Yieldgate(f"http://127.0.0.1:{port}", work, name, code[label] if label else go.ROOT)
@@ -117,7 +122,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="full,no_tokenize,no_metrics",
-                   help="comma-separated; NAME@LABEL runs the checkout given by --code LABEL=PATH")
+                   help="comma-separated yieldgate variants or Rust routers (vllm-router, smg); "
+                        "NAME@LABEL runs the checkout given by --code LABEL=PATH")
     p.add_argument("--code", action="append", default=[], metavar="LABEL=PATH",
                    help="another checkout of this repository (e.g. a git worktree of the baseline commit)")
     p.add_argument("--out", default="/tmp/yieldgate-bench/gateway_overhead_ab.json")
@@ -129,7 +135,7 @@ def main() -> None:
     code = {label: Path(path).resolve() for label, _, path in (c.partition("=") for c in a.code)}
     for v in variants:
         name, _, label = v.partition("@")
-        if v != "direct" and name not in go.VARIANTS:
+        if v != "direct" and name not in go.VARIANTS and name not in go.ROUTERS:
             p.error(f"unknown variant {name!r}; have {', '.join(go.VARIANTS)}")
         if label and not (code.get(label, Path("/nonexistent")) / "gateway" / "cli.py").exists():
             p.error(f"variant {v!r}: give the checkout with --code {label}=PATH")

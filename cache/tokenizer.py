@@ -24,7 +24,7 @@ from typing import Any, Literal
 import tiktoken
 import tokenizers
 
-from yieldgate.cache.blocks import drop_oldest
+from yieldgate.cache.blocks import drop_oldest, pack_tokens
 from yieldgate.cache.chat_template import ChatTemplate
 
 Backend = Literal["tiktoken", "hf"]
@@ -192,12 +192,15 @@ class Tokenizer:
         self._rank_to_id = rank_to_id
         self.not_convertible_reason = not_convertible_reason
         self.backend: Backend = "tiktoken" if encoding is not None else "hf"
-        self._segment_cache: dict[str, tuple[int, ...]] = {}
+        # segment -> (ids, the ids packed as cache.blocks.pack_tokens packs them)
+        self._segment_cache: dict[str, tuple[tuple[int, ...], bytes | None]] = {}
         self._special_split = None
         self._special_ids: dict[str, int] = {}
+        self._special_packed: dict[str, bytes | None] = {}
         if encoding is not None and encoding.special_tokens_set:
             specials = sorted(encoding.special_tokens_set, key=len, reverse=True)
             self._special_ids = {t: self._ids([encoding.encode_single_token(t)])[0] for t in specials}
+            self._special_packed = {t: pack_tokens([i]) for t, i in self._special_ids.items()}
             self._special_split = re.compile("(" + "|".join(map(re.escape, specials)) + ")").split
         # Post-processor template (e.g. BOS + A): found by diffing one encode
         # with and without special tokens, which works for any template processor.
@@ -250,16 +253,21 @@ class Tokenizer:
             return len(self.hf.encode(text, add_special_tokens=False).ids)
         return len(self.encoding.encode_ordinary(text))
 
-    def _encode_segments(self, text: str) -> list[int]:
+    def _encode_segments(self, text: str, packed: list[bytes | None] | None = None) -> list[int]:
         """tiktoken's encode, one special-token-delimited segment at a time, segments cached.
 
         BPE never merges across a special token, so encoding the text between special tokens on its
         own gives the same ids; a system prompt or tool list shared by many requests is then
         encoded once (the rendered chat template puts each message between special tokens).
+        With `packed`, each piece's ids packed (cache.blocks.pack_tokens) are appended to it, cached
+        alongside the ids: joining them is cheaper than packing the whole prompt again.
         """
         assert self.encoding is not None
         if self._special_split is None:
-            return self._ids(self.encoding.encode(text, allowed_special="all"))
+            ids = self._ids(self.encoding.encode(text, allowed_special="all"))
+            if packed is not None:
+                packed.append(pack_tokens(ids))
+            return ids
         out: list[int] = []
         cache = self._segment_cache
         for i, piece in enumerate(self._special_split(text)):
@@ -267,16 +275,20 @@ class Tokenizer:
                 continue
             if i % 2:  # odd pieces are the special tokens the split captured
                 out.append(self._special_ids[piece])
+                if packed is not None:
+                    packed.append(self._special_packed[piece])
                 continue
-            ids = cache.get(piece)
-            if ids is None:
+            entry = cache.get(piece)
+            if entry is None:
                 # A tuple, not a list: the collector stops tracking a tuple of ints after one pass,
                 # while a kept list of ids is walked again by every older-generation pass.
                 ids = tuple(self._ids(self.encoding.encode_ordinary(piece)))
                 if len(cache) >= _CACHE_MAX_SEGMENTS:
                     drop_oldest(cache, _CACHE_MAX_SEGMENTS // 16)
-                cache[piece] = ids
-            out.extend(ids)
+                entry = cache[piece] = (ids, pack_tokens(ids))
+            out.extend(entry[0])
+            if packed is not None:
+                packed.append(entry[1])
         return out
 
     def _ids(self, ranks: list[int]) -> list[int]:
@@ -300,3 +312,14 @@ class Tokenizer:
         """Chat messages -> prompt token ids as vLLM's chat endpoint builds them."""
         text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
+
+    def encode_chat_packed(self, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None = None) -> tuple[list[int], bytes | None]:
+        """`encode_chat`'s ids and the same ids packed (cache.blocks.pack_tokens), for the block
+        hasher: shared segments are packed once, not on every request."""
+        if self.encoding is None:
+            ids = self.encode_chat(messages, tools)
+            return ids, pack_tokens(ids)
+        pieces: list[bytes | None] = []
+        ids = self._encode_segments(self.render_chat(messages, tools), pieces)
+        return ids, None if None in pieces else b"".join(pieces)  # type: ignore[arg-type]

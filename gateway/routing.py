@@ -111,31 +111,32 @@ class Routing:
         request = RouteRequest(session_id=ctx.session_id or None)
         router = self.routers.get(ctx.tier)
         if router is not None and router.needs_tokens and self.tokenizer is not None:
-            tokens = self._tokenize(ctx.kind, raw)
+            tokens, packed = self._tokenize(ctx.kind, raw)
             ctx.prompt_tokens = tokens
             request.token_ids = tokens
             if tokens:
                 # Packed once: the block hasher and the cache advisor both read these bytes.
-                ctx.prompt_packed = request.packed_ids = pack_tokens(tokens)
+                ctx.prompt_packed = request.packed_ids = packed if packed is not None else pack_tokens(tokens)
             if ctx.adapter is not None:  # the engine caches an adapter version's blocks apart
                 request.extra_keys = lora_extra_keys(ctx.adapter.engine_name, ctx.adapter.path)
         return request
 
-    def _tokenize(self, kind: str, raw: dict[str, Any]) -> list[int] | None:
+    def _tokenize(self, kind: str, raw: dict[str, Any]) -> tuple[list[int] | None, bytes | None]:
+        """The prompt's token ids, and packed (None: pack them) when the tokenizer had that at hand."""
         assert self.tokenizer is not None
         try:
             if kind != "completions":  # chat, and the APIs the proxy renders as chat messages
-                return self.tokenizer.encode_chat(raw["messages"], raw.get("tools"))
+                return self.tokenizer.encode_chat_packed(raw["messages"], raw.get("tools"))
             prompt = raw["prompt"]
             if isinstance(prompt, list) and prompt:
                 prompt = prompt[0]  # a batch routes on its first prompt
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return self.tokenizer.encode(prompt), None
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
+                return prompt, None
         except Exception as exc:  # the engine validates the request; routing just loses its hint
             log.debug("could not tokenize for routing: %s", type(exc).__name__)
-        return None
+        return None, None
 
     async def candidates(self, ctx: RequestContext, failed: set[str],
                          on_failover: Callable[[str, str], None],

@@ -13,7 +13,7 @@ from .keys import ApiKey, CreatedKey, KeyStore
 from .ledger import Ledger
 from .price_book import PriceBook
 from .ratelimit import RateDecision, RateLimiter
-from .record import LedgerRecord, Outcome
+from .record import LedgerRecord, Outcome, record_docs
 from .report import SuccessRow, UsageRow, export_csv, success_report, usage_report
 from .stores import LedgerStore, RedisStore, SQLiteStore
 
@@ -25,5 +25,5 @@ __all__ = [
     "WIRE_ENCODER", "Journal", "Ledger", "LedgerRecord", "LedgerStore", "Outcome", "RedisStore",
     "SQLiteStore", "ApiKey", "BudgetEnforcer", "BudgetStatus", "CreatedKey", "KeyStore",
     "RateDecision", "RateLimiter", "Reservation", "CacheAdvisor", "Divergence", "KeyCacheReport",
-    "common_prefix_len", "diagnose", "SuccessRow", "UsageRow", "export_csv", "success_report", "usage_report",
+    "common_prefix_len", "diagnose", "record_docs", "SuccessRow", "UsageRow", "export_csv", "success_report", "usage_report",
 ]

@@ -16,10 +16,9 @@ from pathlib import Path
 import msgspec
 
 from .errors import LedgerError
-from .record import LedgerRecord
+from .record import RECORD_KEYS
 
 log = logging.getLogger(__name__)
-_DECODER = msgspec.json.Decoder(LedgerRecord)
 
 
 class Journal:
@@ -69,11 +68,12 @@ class Journal:
     def pending_bytes(self) -> int:
         return self.size - self.committed
 
-    def read_batch(self, max_records: int, max_bytes: int = 4 << 20) -> tuple[list[LedgerRecord], int]:
-        """Records after the checkpoint (at most max_records) and the offset just past them."""
+    def read_batch(self, max_records: int, max_bytes: int = 4 << 20) -> tuple[list[bytes], int]:
+        """Records after the checkpoint (at most max_records), each as its JSON line without the
+        newline, and the offset just past them. Lines whose record keys do not decode are skipped."""
         start = self.committed
         chunk = os.pread(self._rfd, min(max_bytes, self.size - start), start)
-        records: list[LedgerRecord] = []
+        records: list[bytes] = []
         pos = 0
         while len(records) < max_records:
             nl = chunk.find(b"\n", pos)
@@ -84,10 +84,12 @@ class Journal:
             if not line:
                 continue
             try:
-                records.append(_DECODER.decode(line))
+                RECORD_KEYS.decode(line)  # a torn or foreign line is not valid JSON
             except msgspec.DecodeError:
                 self.bad_lines += 1
                 log.error("ledger journal %s: skipping undecodable line at byte %d", self.path, start + pos)
+                continue
+            records.append(line)
         return records, start + pos
 
     def commit(self, offset: int, compact_bytes: int) -> None:

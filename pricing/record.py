@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from decimal import Decimal
 from typing import Literal
 
@@ -52,6 +53,30 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+class RecordKeys(msgspec.Struct, kw_only=True):
+    """The fields a store indexes a record by, read from the record's JSON (the journal line)
+    without decoding the rest: stores keep that JSON as it is."""
+
+    request_id: str
+    ts: float
+    key_id: str = ""
+    team: str = ""
+    model: str = ""
+    tier: str = "standard"
+    replica: str = ""
+    weight_version: str = ""
+    session_id: str | None = None
+
+
+RECORD_KEYS = msgspec.json.Decoder(RecordKeys)
+_RECORD_JSON = msgspec.json.Encoder()
+
+
+def record_docs(records: Sequence[LedgerRecord]) -> list[bytes]:
+    """Records as the JSON documents stores keep (what the ledger's journal holds)."""
+    return [_RECORD_JSON.encode(r) for r in records]
 
 
 OutcomeTarget = Literal["request", "session"]

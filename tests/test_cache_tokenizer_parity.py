@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from yieldgate.cache import Tokenizer
+from yieldgate.cache import Tokenizer, pack_tokens
 
 CORPUS = (Path(__file__).resolve().parents[1] / "serving" / "data" / "corpus.txt").read_text()
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
@@ -179,6 +179,8 @@ def test_segment_cache_gives_the_ids_of_an_uncached_encode() -> None:
         for messages in chats:
             text = tok.render_chat(messages)
             assert tok.encode_chat(messages) == tok.hf.encode(text, add_special_tokens=False).ids
+            ids, packed = tok.encode_chat_packed(messages)  # the packed ids come from the cache too
+            assert ids == tok.encode_chat(messages) and packed == pack_tokens(ids)
     assert "\n" in tok._segment_cache  # the template's short separators are cached too
 
 

@@ -7,7 +7,7 @@ import types
 from decimal import Decimal
 
 from yieldgate.gateway.dashboard import Dashboard
-from yieldgate.pricing.record import LedgerRecord
+from yieldgate.pricing.record import LedgerRecord, record_docs
 from yieldgate.pricing.report import usage_report
 from yieldgate.pricing.stores import SQLiteStore
 
@@ -16,10 +16,10 @@ def test_dashboard_splits_requests_cost_and_cached_share_by_route(tmp_path):
     async def views() -> dict:
         store = SQLiteStore(tmp_path / "ledger.db")
         await store.open()
-        await store.upsert([LedgerRecord(request_id=f"r{i}", ts=1.0 + i, route=route, prompt_tokens=100,
+        await store.upsert(record_docs([LedgerRecord(request_id=f"r{i}", ts=1.0 + i, route=route, prompt_tokens=100,
                                          cached_tokens=cached, cost_total=Decimal("0.001"))
                             for i, (route, cached) in enumerate([("chat", 0), ("responses", 64),
-                                                                 ("messages", 32), ("messages", 96)])])
+                                                                 ("messages", 32), ("messages", 96)])]))
 
         class Ledger:
             async def usage(self, group_by):

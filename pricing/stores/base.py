@@ -14,8 +14,10 @@ class LedgerStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def upsert(self, records: Sequence[LedgerRecord]) -> int:
-        """Store records idempotently by request_id (first write wins); return how many were new.
+    async def upsert(self, docs: Sequence[bytes]) -> int:
+        """Store records, each given as its JSON document (a journal line, or `record_docs()`),
+        idempotently by request_id (first write wins); return how many were new. The document is
+        kept as given: the ledger's flusher hands its journal lines over without re-encoding them.
         Raise StoreUnavailable when the backend cannot be reached."""
         ...
 

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..errors import StoreUnavailable
-from ..record import LedgerRecord, Outcome, OutcomeTarget
+from ..record import RECORD_KEYS, LedgerRecord, Outcome, OutcomeTarget
 
 _ENC = msgspec.json.Encoder()
 _REC = msgspec.json.Decoder(LedgerRecord)
@@ -51,10 +51,11 @@ class RedisStore:
         if self._own_client:
             await self.redis.aclose()
 
-    async def upsert(self, records: Sequence[LedgerRecord]) -> int:
+    async def upsert(self, docs: Sequence[bytes]) -> int:
         args: list[object] = []
-        for r in records:
-            args += (r.request_id, repr(r.ts), _ENC.encode(r))
+        for doc in docs:
+            k = RECORD_KEYS.decode(doc)
+            args += (k.request_id, repr(k.ts), doc)
         try:
             return int(await self._upsert(keys=[self._k_rec, self._k_ts], args=args))
         except (RedisError, OSError) as e:

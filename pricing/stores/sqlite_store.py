@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 import msgspec
 
 from ..errors import StoreUnavailable
-from ..record import LedgerRecord, Outcome, OutcomeTarget
+from ..record import RECORD_KEYS, LedgerRecord, Outcome, OutcomeTarget
 
 T = TypeVar("T")
 _ENC = msgspec.json.Encoder()
@@ -73,9 +73,12 @@ class SQLiteStore:
         self._pool.shutdown(wait=True)
         self._pool = None
 
-    async def upsert(self, records: Sequence[LedgerRecord]) -> int:
-        rows = [(r.request_id, r.ts, r.key_id, r.team, r.model, r.tier, r.replica, r.weight_version,
-                 r.session_id, _ENC.encode(r)) for r in records]
+    async def upsert(self, docs: Sequence[bytes]) -> int:
+        rows = []
+        for doc in docs:
+            k = RECORD_KEYS.decode(doc)
+            rows.append((k.request_id, k.ts, k.key_id, k.team, k.model, k.tier, k.replica, k.weight_version,
+                         k.session_id, doc))
         return await self._run(self._upsert_sync, rows)
 
     def _upsert_sync(self, rows: list[tuple]) -> int:
