@@ -26,6 +26,7 @@ class Candidate(Protocol):
     num_waiting: float  # scraped vllm:num_requests_waiting
     num_running: float  # scraped vllm:num_requests_running
     kv_capacity_blocks: int | None
+    speculative: bool  # its engine runs speculative decoding
 
 
 def load_of(c: Candidate) -> float:
@@ -42,6 +43,7 @@ class RouteRequest(msgspec.Struct):
     # vLLM's per-block extra hash keys (cache.blocks.lora_extra_keys for a LoRA request): the
     # engine caches an adapter's blocks under other hashes than the base model's.
     extra_keys: tuple | None = None
+    temperature: float | None = None  # the request's sampling temperature; None = the engine's default
 
 
 class RouteContext(msgspec.Struct):
@@ -147,6 +149,32 @@ class ShareFilter:
             return list(candidates)
         floor = max(ctx.matches.get(c.name, 0) for c in within) + self.keep_blocks
         return [c for c in candidates if c in within or ctx.matches.get(c.name, 0) >= floor]
+
+
+class SpeculationFilter:
+    """Keeps the replicas on which the request is served fastest: speculating ones for greedy
+    requests, plain ones for sampled ones. Under sampling a draft token is accepted with the
+    model's probability of it, so n-gram drafts are mostly rejected, and a verify step of k
+    drafts costs ``step_cost`` plain steps (docs/routing.md#speculation). A sampled request
+    still goes to a speculating replica when every plain one is more than ``step_cost`` times
+    as loaded. A fleet with only one kind keeps them all."""
+
+    def __init__(self, max_temperature: float = 0.0, default_temperature: float = 1.0,
+                 step_cost: float = 2.0) -> None:
+        self.max_temperature = max_temperature  # at or below: drafts are worth verifying
+        self.default_temperature = default_temperature  # what the engine samples with when unset
+        self.step_cost = step_cost
+
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
+        spec = [c for c in candidates if c.speculative]
+        plain = [c for c in candidates if not c.speculative]
+        if not spec or not plain:
+            return list(candidates)
+        t = ctx.request.temperature
+        if (self.default_temperature if t is None else t) <= self.max_temperature:
+            return spec
+        limit = self.step_cost * (1.0 + min(ctx.loads[c.name] for c in spec))
+        return plain if 1.0 + min(ctx.loads[c.name] for c in plain) <= limit else spec
 
 
 # -- scorers ------------------------------------------------------------------
