@@ -45,7 +45,6 @@ class RouterConfig(msgspec.Struct, frozen=True):
     share_weight: float = 4.0
     speculate_max_temperature: float = 0.0
     default_temperature: float = 1.0
-    speculation_step_cost: float = 2.0
 
 
 class WeightedScorer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,8 +121,7 @@ def build_parts(spec: PipelineSpec, config: RouterConfig) -> BuiltParts:
 
 register_filter("hotspot", lambda c: HotspotFilter(c.spill_factor, c.spill_slack))
 register_filter("share", lambda c: ShareFilter(c.share_factor, c.share_keep_blocks, c.share_slack))
-register_filter("speculation", lambda c: SpeculationFilter(c.speculate_max_temperature, c.default_temperature,
-                                                           c.speculation_step_cost))
+register_filter("speculation", lambda c: SpeculationFilter(c.speculate_max_temperature, c.default_temperature))
 register_scorer("kv_cost", lambda c: KVCostScorer(c.overlap_weight, c.queued_request_blocks, c.pending_weight,
                                                   c.share_weight), needs="tokens")
 register_scorer("prefix_cache", lambda c: PrefixCacheScorer(), needs="tokens")

@@ -152,18 +152,16 @@ class ShareFilter:
 
 
 class SpeculationFilter:
-    """Keeps the replicas on which the request is served fastest: speculating ones for greedy
+    """Keeps the replicas on which the request decodes fastest: speculating ones for greedy
     requests, plain ones for sampled ones. Under sampling a draft token is accepted with the
-    model's probability of it, so n-gram drafts are mostly rejected, and a verify step of k
-    drafts costs ``step_cost`` plain steps (docs/routing.md#speculation). A sampled request
-    still goes to a speculating replica when every plain one is more than ``step_cost`` times
-    as loaded. A fleet with only one kind keeps them all."""
+    model's probability of it, so n-gram drafts are mostly rejected while each verify step still
+    costs about two plain ones (docs/routing.md#speculation). A sampled request on a plain replica
+    of the standard tier is served exactly as a standard request: never slower than that tier.
+    A fleet with only one kind keeps them all."""
 
-    def __init__(self, max_temperature: float = 0.0, default_temperature: float = 1.0,
-                 step_cost: float = 2.0) -> None:
+    def __init__(self, max_temperature: float = 0.0, default_temperature: float = 1.0) -> None:
         self.max_temperature = max_temperature  # at or below: drafts are worth verifying
         self.default_temperature = default_temperature  # what the engine samples with when unset
-        self.step_cost = step_cost
 
     def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
         spec = [c for c in candidates if c.speculative]
@@ -171,10 +169,7 @@ class SpeculationFilter:
         if not spec or not plain:
             return list(candidates)
         t = ctx.request.temperature
-        if (self.default_temperature if t is None else t) <= self.max_temperature:
-            return spec
-        limit = self.step_cost * (1.0 + min(ctx.loads[c.name] for c in spec))
-        return plain if 1.0 + min(ctx.loads[c.name] for c in plain) <= limit else spec
+        return spec if (self.default_temperature if t is None else t) <= self.max_temperature else plain
 
 
 # -- scorers ------------------------------------------------------------------

@@ -73,8 +73,7 @@ class Routing:
                               share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight,
                               share_weight=tier.share_weight,
                               speculate_max_temperature=tier.speculate_max_temperature,
-                              default_temperature=tier.default_temperature,
-                              speculation_step_cost=tier.speculation_step_cost)
+                              default_temperature=tier.default_temperature)
         return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config,
                       pipeline=tier.pipeline)
 

@@ -200,11 +200,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # decides per request. Such a request is priced and labelled as that tier. "" = none.
     plain_tier: str = ""
     # The speculation filter: requests sampled above this temperature go to plain replicas;
-    # an unset temperature is the engine's default; a speculating replica's step costs this
-    # many plain ones when drafts are rejected (docs/routing.md#speculation).
+    # an unset temperature is the engine's default (docs/routing.md#speculation).
     speculate_max_temperature: float = 0.0
     default_temperature: float = 1.0
-    speculation_step_cost: float = 2.0
     # The tier that serves this tier's requests while none of its own replicas is routable (same
     # model); priced and labelled by the tier that served. "" = answer 503 instead.
     fallback: str = ""
