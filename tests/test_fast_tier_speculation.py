@@ -76,3 +76,13 @@ def test_a_greedy_fast_request_still_speculates_and_is_priced_as_fast(spec_gw, s
     expected = spec_gw.book.cost("demo", "fast", Usage(
         u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"]))
     assert h["x-yieldgate-cost-usd"] == expected.header_value()
+
+
+def test_the_dashboard_shows_each_class_price_multiple_as_billed(spec_gw):
+    """Sampled fast requests were served on the plain replica: their class's price multiple is 1;
+    greedy ones were sped up and pay the fast price (docs/economics.md#the-fast-tier)."""
+    ask(spec_gw, temperature=0)
+    ask(spec_gw, temperature=1.0)
+    rows = {r["class"]: r for r in httpx.get(spec_gw.url + "/dashboard/data", timeout=10).json()["fast_speedup"]}
+    assert rows["chat, sampled"]["served_fast"] == 0 and rows["chat, sampled"]["price_multiple"] == 1.0
+    assert rows["chat, greedy"]["served_fast"] == 1 and rows["chat, greedy"]["price_multiple"] > 1.5
