@@ -99,9 +99,11 @@ def main() -> None:
         if conc != concurrencies[0]:
             name = f"{name}@c{conc}"
         std, fast = targets(extra)
+        # Six short alternating phases per target: a busy neighbour on the shared cores then
+        # weighs on both tiers alike, not on whichever phase it happened to overlap.
         results = run_compare([std, fast], wl, ConcurrencyLoad(concurrency=conc),
                               Bounds(requests=a.requests, warmup_requests=1), order="interleaved",
-                              rounds=2, cache_salt="auto",
+                              rounds=6, cache_salt="auto",
                               engine_metrics_urls=[a.fast])
         row = {}
         for r in results:
