@@ -170,8 +170,8 @@ class Routing:
         elif any(r.speculative for r in candidates):
             plain_tier = self.config.fleet.tier(ctx.tier).plain_tier
             if plain_tier:  # the tier's policy may send a request that would not gain from speculation there
-                candidates += [r for r in self.fleet.candidates(plain_tier)
-                               if r.name not in failed and not r.speculative and (holds is None or holds(r))]
+                candidates += [r for r in self.fleet.candidates(plain_tier) if r.name not in failed
+                               and not r.speculative and r not in candidates and (holds is None or holds(r))]
         return candidates
 
     def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
@@ -188,8 +188,10 @@ class Routing:
     def pick(self, ctx: RequestContext, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
         ctx.router_tier = ctx.tier
         decision = self.routers[ctx.tier].pick(request, candidates)
-        if decision.replica.tier != ctx.tier and decision.replica.tier == self.config.fleet.tier(ctx.tier).plain_tier:
-            ctx.serve_from(decision.replica.tier)  # not sped up: priced and labelled as the tier that served
+        served = decision.replica
+        if (served.tier != ctx.tier and served.tier == self.config.fleet.tier(ctx.tier).plain_tier
+                and not served.speculative and any(r.speculative for r in candidates)):
+            ctx.serve_from(served.tier)  # the speculation filter chose not to speed it up: priced as served
         return decision
 
     # -- the request's lifecycle on its replica (one try; a retry is a new pick) ------------------
