@@ -18,8 +18,9 @@ from typing import Literal
 import msgspec
 
 from yieldgate.cache.scorers import (
-    AdapterAffinityScorer, ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer, MaxScorePicker, Picker,
-    PrefixCacheScorer, RoundRobinPicker, Scorer, SessionAffinityScorer, ShareFilter,
+    AdapterAffinityScorer, ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer,
+    MaxScorePicker, Picker, PrefixCacheScorer, RoundRobinPicker, Scorer, SessionAffinityScorer, ShareFilter,
+    SpeculationFilter,
 )
 
 # What a part keys on: "tokens" parts make the gateway tokenize and hash the prompt; a pipeline
@@ -43,6 +44,8 @@ class RouterConfig(msgspec.Struct, frozen=True):
     share_slack: float = 4.0
     pending_weight: float = 0.5
     share_weight: float = 4.0
+    speculate_max_temperature: float = 0.0
+    default_temperature: float = 1.0
 
 
 class WeightedScorer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -119,6 +122,7 @@ def build_parts(spec: PipelineSpec, config: RouterConfig) -> BuiltParts:
 
 register_filter("hotspot", lambda c: HotspotFilter(c.spill_factor, c.spill_slack))
 register_filter("share", lambda c: ShareFilter(c.share_factor, c.share_keep_blocks, c.share_slack))
+register_filter("speculation", lambda c: SpeculationFilter(c.speculate_max_temperature, c.default_temperature))
 register_scorer("kv_cost", lambda c: KVCostScorer(c.overlap_weight, c.queued_request_blocks, c.pending_weight,
                                                   c.share_weight), needs="tokens")
 register_scorer("prefix_cache", lambda c: PrefixCacheScorer(), needs="tokens")
@@ -138,3 +142,7 @@ register_preset("consistent_hash", PipelineSpec(scorers=[WeightedScorer("consist
 # Opt-in: cache_aware that also counts the cached blocks a pick would evict (docs/routing.md).
 register_preset("cache_aware_evict", PipelineSpec(filters=["hotspot", "share"],
                                                   scorers=[WeightedScorer("kv_cost"), WeightedScorer("eviction")]))
+# A fast tier that also reaches plain replicas (`fleet.tiers.fast.plain_tier`): each request goes
+# where it decodes fastest, then by cache_aware's cost (docs/routing.md#speculation).
+register_preset("speculation_aware", PipelineSpec(filters=["speculation", "hotspot", "share"],
+                                                  scorers=[WeightedScorer("kv_cost")]))

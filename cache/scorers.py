@@ -26,6 +26,7 @@ class Candidate(Protocol):
     num_waiting: float  # scraped vllm:num_requests_waiting
     num_running: float  # scraped vllm:num_requests_running
     kv_capacity_blocks: int | None
+    speculative: bool  # its engine runs speculative decoding
 
 
 def load_of(c: Candidate) -> float:
@@ -45,6 +46,7 @@ class RouteRequest(msgspec.Struct):
     # A LoRA adapter request: per replica, 1 where its version is resident, 0.5 where a slot is
     # free to load it, 0 where loading it means unloading another adapter (the gateway's view).
     adapter_affinity: dict[str, float] | None = None
+    temperature: float | None = None  # the request's sampling temperature; None = the engine's default
 
 
 class RouteContext(msgspec.Struct):
@@ -150,6 +152,27 @@ class ShareFilter:
             return list(candidates)
         floor = max(ctx.matches.get(c.name, 0) for c in within) + self.keep_blocks
         return [c for c in candidates if c in within or ctx.matches.get(c.name, 0) >= floor]
+
+
+class SpeculationFilter:
+    """Keeps the replicas on which the request decodes fastest: speculating ones for greedy
+    requests, plain ones for sampled ones. Under sampling a draft token is accepted with the
+    model's probability of it, so n-gram drafts are mostly rejected while each verify step still
+    costs about two plain ones (docs/routing.md#speculation). A sampled request on a plain replica
+    of the standard tier is served exactly as a standard request: never slower than that tier.
+    A fleet with only one kind keeps them all."""
+
+    def __init__(self, max_temperature: float = 0.0, default_temperature: float = 1.0) -> None:
+        self.max_temperature = max_temperature  # at or below: drafts are worth verifying
+        self.default_temperature = default_temperature  # what the engine samples with when unset
+
+    def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
+        spec = [c for c in candidates if c.speculative]
+        plain = [c for c in candidates if not c.speculative]
+        if not spec or not plain:
+            return list(candidates)
+        t = ctx.request.temperature
+        return spec if (self.default_temperature if t is None else t) <= self.max_temperature else plain
 
 
 # -- scorers ------------------------------------------------------------------

@@ -201,7 +201,7 @@ class KVCache:
 
 class SimReplica:
     """One modelled engine. Satisfies cache.Candidate (name, inflight, num_waiting, num_running,
-    kv_capacity_blocks) so the real Router scores it like a serving.Replica."""
+    kv_capacity_blocks, speculative) so the real Router scores it like a serving.Replica."""
 
     def __init__(self, sim: "FleetSimulator", name: str, model: EngineModel) -> None:
         self.sim = sim
@@ -209,6 +209,7 @@ class SimReplica:
         self.model = model
         self.kv_capacity_blocks: int | None = model.kv_capacity_blocks
         self.inflight = 0
+        self.speculative = False
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
         self.cache = KVCache(model.kv_capacity_blocks, self._stored, self._removed)

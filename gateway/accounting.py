@@ -46,6 +46,7 @@ from .http import bearer_token
 from .context import RequestContext, Usage
 from .metrics import GatewayMetrics
 from .schemas import ChatShaped
+from .tiers import STANDARD
 
 if TYPE_CHECKING:
     from .config import Config
@@ -72,6 +73,27 @@ class TierTotals:
     cached_tokens: int = 0
     completion_tokens: int = 0
     revenue: Decimal = Decimal(0)
+
+
+@dataclass(slots=True)
+class ClassSpeed:
+    """One (tier asked for, workload class) since start: output tokens per second of request time,
+    and what was billed against what the standard price would have been (the dashboard's fast-tier
+    speed-up and price multiple per class)."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    billed: Decimal = Decimal(0)
+    at_standard: Decimal = Decimal(0)
+    served_as_asked: int = 0       # not moved to another tier (speculation filter, failover)
+
+
+def workload_class(ctx: RequestContext) -> str:
+    """What the gateway can tell of a request's workload: its API and greedy or sampled decoding
+    (what decides whether speculation pays, docs/routing.md#speculation)."""
+    temperature = ctx.typed.temperature if ctx.typed is not None else None
+    return f"{ctx.kind}, {'greedy' if temperature == 0 else 'sampled'}"
 
 
 def prompt_size(typed: Any) -> tuple[int, int, int | None]:
@@ -177,6 +199,7 @@ class Accounting:
         self.advisor = CacheAdvisor()
         self._advisor_sample = itertools.count()
         self.totals: dict[tuple[str, str], TierTotals] = {}
+        self.speeds: dict[tuple[str, str], ClassSpeed] = {}
         self._children: dict[tuple[str, str], _Children] = {}
         self._request_children: dict[tuple[str, str, str], tuple[Any, Any, Any]] = {}
         self.chars_per_token = _INITIAL_CHARS_PER_TOKEN
@@ -419,9 +442,24 @@ class Accounting:
         t.cached_tokens += priced.cached_tokens
         t.completion_tokens += priced.completion_tokens
         t.revenue += cost.total
+        if not estimated and priced.completion_tokens and latency > 0:
+            self._observe_speed(ctx, priced, cost, latency)
         if ctx.replica is not None:
             self.fleet_cost.observe(ctx.replica.name, ctx.model, ctx.tier, priced, cost,
                                     busy_ns=int(latency * 1e9))
+
+    def _observe_speed(self, ctx: RequestContext, priced: PricedUsage, cost: Cost, latency: float) -> None:
+        asked = ctx.requested_tier or ctx.tier
+        key = (asked, workload_class(ctx))
+        s = self.speeds.get(key)
+        if s is None:
+            s = self.speeds[key] = ClassSpeed()
+        s.requests += 1
+        s.completion_tokens += priced.completion_tokens
+        s.seconds += latency
+        s.billed += cost.total
+        s.at_standard += cost.total if ctx.tier == STANDARD else self.price_book.cost(ctx.model, STANDARD, priced).total
+        s.served_as_asked += ctx.tier == asked
 
     def _calibrate(self, ctx: RequestContext, prompt_tokens: int) -> None:
         """Track characters per prompt token (EWMA) for estimates when nothing tokenized."""

@@ -36,6 +36,7 @@ class RequestContext:
     tier: str                               # the tier that serves (and prices) the request
     started: float
     requested_tier: str = ""                # the tier asked for, when another one serves it
+    router_tier: str = ""                   # the tier whose router picked the current try
     stream: bool = False
     session_id: str = ""
     key: ApiKey | None = None

@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from .http import json_response
 from .errors import AuthenticationError
+from .tiers import FAST, STANDARD
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -128,7 +129,27 @@ class Dashboard:
                      "lost_tokens": r.lost_tokens, "median_break_position": r.median_break_position,
                      "advice": r.advice} for r in acc.advisor.reports()[:10]]
         return {"now": time.time(), "series": list(self.history), "tier_mix": mix,
-                "cache_breakers": breakers, **(await self._ledger_views())}
+                "cache_breakers": breakers, "fast_speedup": self.fast_speedup(),
+                **(await self._ledger_views())}
+
+    def fast_speedup(self) -> list[dict[str, Any]]:
+        """Per workload class: the fast tier's output tokens per request-second over the standard
+        tier's, next to what fast requests were billed over the standard price of the same tokens
+        (1.0 when the gateway served them on a plain replica)."""
+        speeds = self.gw.accounting.speeds
+        rows = []
+        for (tier, cls), s in sorted(speeds.items()):
+            if tier != FAST:
+                continue
+            std = speeds.get((STANDARD, cls))
+            fast_tps = s.completion_tokens / s.seconds
+            std_tps = std.completion_tokens / std.seconds if std is not None else None
+            rows.append({"class": cls, "requests": s.requests, "standard_requests": std.requests if std else 0,
+                         "fast_tps": fast_tps, "standard_tps": std_tps,
+                         "speedup": fast_tps / std_tps if std_tps else None,
+                         "price_multiple": float(s.billed / s.at_standard) if s.at_standard else None,
+                         "served_fast": s.served_as_asked / s.requests})
+        return rows
 
 
 def build_dashboard_router(gw: "Gateway", dashboard: Dashboard) -> APIRouter:

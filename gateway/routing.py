@@ -71,7 +71,9 @@ class Routing:
                               spill_factor=tier.spill_factor, spill_slack=tier.spill_slack,
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
                               share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight,
-                              share_weight=tier.share_weight)
+                              share_weight=tier.share_weight,
+                              speculate_max_temperature=tier.speculate_max_temperature,
+                              default_temperature=tier.default_temperature)
         return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config,
                       pipeline=tier.pipeline)
 
@@ -108,7 +110,7 @@ class Routing:
 
     def prepare(self, ctx: RequestContext, raw: dict[str, Any]) -> RouteRequest:
         """What the policy keys on; tokenizes only if the tier's policy needs tokens."""
-        request = RouteRequest(session_id=ctx.session_id or None)
+        request = RouteRequest(session_id=ctx.session_id or None, temperature=ctx.typed.temperature)
         router = self.routers.get(ctx.tier)
         if router is not None and router.needs_tokens and self.tokenizer is not None:
             tokens, packed = self._tokenize(ctx.kind, raw)
@@ -167,6 +169,11 @@ class Routing:
                 on_failover(ctx.requested_tier, served_by)
             else:
                 candidates = routable
+        elif any(r.speculative for r in candidates):
+            plain_tier = self.config.fleet.tier(ctx.tier).plain_tier
+            if plain_tier:  # the tier's policy may send a request that would not gain from speculation there
+                candidates += [r for r in self.fleet.candidates(plain_tier) if r.name not in failed
+                               and not r.speculative and r not in candidates and (holds is None or holds(r))]
         return candidates
 
     def scores_adapters(self, tier: str) -> bool:
@@ -185,7 +192,13 @@ class Routing:
                                   headers={"retry-after": "1"})
 
     def pick(self, ctx: RequestContext, request: RouteRequest, candidates: Sequence[Replica]) -> RouteDecision:
-        return self.routers[ctx.tier].pick(request, candidates)
+        ctx.router_tier = ctx.tier
+        decision = self.routers[ctx.tier].pick(request, candidates)
+        served = decision.replica
+        if (served.tier != ctx.tier and served.tier == self.config.fleet.tier(ctx.tier).plain_tier
+                and not served.speculative and any(r.speculative for r in candidates)):
+            ctx.serve_from(served.tier)  # the speculation filter chose not to speed it up: priced as served
+        return decision
 
     # -- the request's lifecycle on its replica (one try; a retry is a new pick) ------------------
 
@@ -194,13 +207,13 @@ class Routing:
         records its prefix there now, so requests routed meanwhile already see it."""
         ctx.decision = decision
         decision.replica.inflight += 1
-        router = self.routers.get(ctx.tier)
+        router = self.routers.get(ctx.router_tier)
         if router is not None:
             router.sent(decision)
 
     def first_token(self, ctx: RequestContext) -> None:
         """Its first byte is back: its prefill stops counting as work queued on the replica."""
-        decision, router = ctx.decision, self.routers.get(ctx.tier)
+        decision, router = ctx.decision, self.routers.get(ctx.router_tier)
         if decision is not None and router is not None:
             router.first_token(decision)
 
@@ -210,7 +223,7 @@ class Routing:
         if decision is None:
             return
         decision.replica.inflight -= 1
-        router = self.routers.get(ctx.tier)
+        router = self.routers.get(ctx.router_tier)
         if router is not None:
             router.done(decision)
 

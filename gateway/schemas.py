@@ -39,6 +39,7 @@ class _Common(msgspec.Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
     n: Annotated[int, Meta(ge=1, le=16)] | None = None
+    temperature: float | None = None  # read by the speculation routing filter
 
     @property
     def requested_service_tier(self) -> str | None:
@@ -99,6 +100,7 @@ class ResponsesRequest(ChatShaped, kw_only=True):
     store: bool | None = None
     background: bool | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
+    temperature: float | None = None
 
     @property
     def output_limit(self) -> int | None:
@@ -159,6 +161,7 @@ class MessagesRequest(_AnthropicCommon, kw_only=True):
     # Anthropic's own values; the fast tier is asked for with the `:fast` model suffix.
     service_tier: Literal["auto", "standard_only"] | None = None
     metadata: AnthropicMetadata | None = None
+    temperature: float | None = None
 
     @property
     def output_limit(self) -> int | None:
@@ -186,6 +189,10 @@ class CountTokensRequest(_AnthropicCommon, kw_only=True):
 
     @property
     def user(self) -> str | None:
+        return None
+
+    @property
+    def temperature(self) -> float | None:
         return None
 
     @property

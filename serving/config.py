@@ -80,6 +80,15 @@ class ReplicaConfig(msgspec.Struct, forbid_unknown_fields=True):
     launch: LaunchSpec | None = None
     cost_per_hour: str = "0"      # USD, a decimal string
     kv_events_endpoint: str = ""  # tcp://host:port of an external engine's KV event publisher
+    # Whether its engine runs speculative decoding (the `speculation` routing filter reads it);
+    # None = whether its launch args have --speculative-config (an external engine: no).
+    speculative: bool | None = None
+
+    @property
+    def speculates(self) -> bool:
+        if self.speculative is not None:
+            return self.speculative
+        return self.launch is not None and "--speculative-config" in self.launch.args
 
     @property
     def base_url(self) -> str:
@@ -195,6 +204,14 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     pending_weight: float = 0.5
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
     share_weight: float = 4.0
+    # A tier whose replicas (plain, same model) also take this tier's requests that speculation
+    # would not speed up; the `speculation` filter of the tier's policy (`speculation_aware`)
+    # decides per request. Such a request is priced and labelled as that tier. "" = none.
+    plain_tier: str = ""
+    # The speculation filter: requests sampled above this temperature go to plain replicas;
+    # an unset temperature is the engine's default (docs/routing.md#speculation).
+    speculate_max_temperature: float = 0.0
+    default_temperature: float = 1.0
     # The tier that serves this tier's requests while none of its own replicas is routable (same
     # model); priced and labelled by the tier that served. "" = answer 503 instead.
     fallback: str = ""
@@ -251,6 +268,12 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
             if r.tier not in TIERS:
                 raise ValueError(f"replica {r.name!r}: unknown tier {r.tier!r} (one of {TIERS})")
         for name, tier in self.tiers.items():
+            if tier.plain_tier and (tier.plain_tier == name or tier.plain_tier not in TIERS):
+                raise ValueError(f"tier {name!r}: plain_tier must be another tier (one of {TIERS}), "
+                                 f"not {tier.plain_tier!r}")
+            if tier.plain_tier and "speculation" not in (tier.pipeline or preset(tier.policy)).filters:
+                raise ValueError(f"tier {name!r}: plain_tier needs a policy with the speculation filter "
+                                 "(speculation_aware), or every request could go to the plain tier")
             if tier.fallback and (tier.fallback == name or tier.fallback not in TIERS):
                 raise ValueError(f"tier {name!r}: fallback must be another tier (one of {TIERS}), "
                                  f"not {tier.fallback!r}")

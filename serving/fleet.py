@@ -87,6 +87,10 @@ class Replica:
         return self.config.base_url
 
     @property
+    def speculative(self) -> bool:
+        return self.config.speculates
+
+    @property
     def num_waiting(self) -> float:
         return self.engine_metrics.get("vllm:num_requests_waiting", 0.0)
 

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from yieldgate.cache import (
-    BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router,
+    BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router, RouterConfig,
     SharedPrefixIndex, UnknownPolicy,
 )
 
@@ -25,6 +25,7 @@ class Replica(msgspec.Struct):
     num_waiting: float = 0
     num_running: float = 0
     kv_capacity_blocks: int | None = None
+    speculative: bool = False
 
 
 def tokens(prefix: int, n_blocks: int, suffix: int = 0) -> list[int]:
@@ -384,3 +385,29 @@ async def test_kv_subscriber_applies_events_and_resyncs_after_restart() -> None:
     finally:
         await sub.stop()
         pub.close(linger=0)
+
+
+def test_speculation_filter_sends_greedy_requests_to_speculating_replicas_and_sampled_ones_to_plain() -> None:
+    """Greedy (and low-temperature) requests go where drafts are verified; sampled ones, and ones
+    that leave the temperature to the engine's default of 1, go to a plain replica, however busy:
+    there they are served as the plain tier's own requests are."""
+    router = Router("speculation_aware", PrefixIndex(), block_size=32)
+    fast, plain = Replica("fast-0", speculative=True), Replica("standard-0", num_running=6)
+    for temperature, served in ((0.0, "fast-0"), (None, "standard-0"), (1.0, "standard-0"), (0.7, "standard-0")):
+        got = router.pick(RouteRequest(token_ids=tokens(1, 2), temperature=temperature), [fast, plain])
+        assert got.replica.name == served, temperature
+    lenient = Router("speculation_aware", PrefixIndex(), block_size=32,
+                     config=RouterConfig(speculate_max_temperature=0.8))
+    assert lenient.pick(RouteRequest(token_ids=tokens(1, 2), temperature=0.7), [fast, plain]).replica is fast
+    only_plain = [Replica("standard-0"), Replica("standard-1")]  # one kind: the filter keeps all
+    assert router.pick(RouteRequest(token_ids=tokens(1, 2), temperature=0.0), only_plain).replica in only_plain
+
+
+def test_a_plain_tier_needs_the_speculation_filter() -> None:
+    from yieldgate.serving.config import FleetConfig, TierConfig
+
+    with pytest.raises(ValueError, match="speculation filter"):
+        FleetConfig(tiers={"standard": TierConfig(), "fast": TierConfig(plain_tier="standard")})
+    with pytest.raises(ValueError, match="another tier"):
+        FleetConfig(tiers={"fast": TierConfig(policy="speculation_aware", plain_tier="fast")})
+    FleetConfig(tiers={"standard": TierConfig(), "fast": TierConfig(policy="speculation_aware", plain_tier="standard")})

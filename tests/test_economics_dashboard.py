@@ -86,6 +86,10 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
         # The second Responses and Messages requests read their system prompt from the prefix cache.
         assert routes["responses"]["cached_tokens"] > 0 and routes["messages"]["cached_tokens"] > 0
         assert any(s["team"] == "dash" and s["cost_usd"] > 0 for s in data["spend"])
+        # The fast tier's speed-up per workload class, next to what its requests paid over standard.
+        speedup, = data["fast_speedup"]
+        assert (speedup["class"], speedup["requests"], speedup["standard_requests"]) == ("chat, sampled", 1, 3)
+        assert speedup["speedup"] > 0 and speedup["served_fast"] == 1 and speedup["price_multiple"] > 1.5
         time.sleep(1.2)  # a second sample point for the time series
 
         driver = browser()
@@ -103,6 +107,10 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
                 "k => [k.querySelector('span').textContent, k.querySelector('b').textContent]))")
             assert kpis["requests (since start)"] == "8", kpis  # the eight requests above, no more
             assert kpis["tokens (since start)"] == str(sum(m["tokens"] for m in data["tier_mix"].values())), kpis
+            row = driver.execute_script(
+                "return [...document.querySelectorAll('#speedup tbody tr')].map(r => [...r.cells].map(c => c.textContent))")
+            assert row == [["chat, sampled", f"{speedup['speedup']:.2f}×", f"{speedup['price_multiple']:.2f}×",
+                            "100%", "1 / 3"]], row
             assert not driver.execute_script("return document.cookie")
             assert driver.execute_script("return localStorage.length") == 0
             errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
