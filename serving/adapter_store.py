@@ -19,25 +19,54 @@ import msgspec
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from .adapters import Adapter, Placement
-
 log = logging.getLogger("yieldgate.adapters")
 
 LOCK_S = 300.0   # a lock's lease: longer than any engine load, released early by its holder
 
 
+# The registry's records, as stored (msgpack) and as served by GET /admin/adapters.
+class AdapterVersion(msgspec.Struct):
+    version: str
+    path: str
+    created: float
+
+
+class Placement(msgspec.Struct):
+    """One version on one replica."""
+
+    state: str                    # loading | resident | failed | unloading
+    error: str = ""
+    # The engine process it was loaded into (its start time): a restarted engine holds nothing.
+    engine_started: float = 0.0
+
+
+class Adapter(msgspec.Struct):
+    name: str
+    base: str                     # the model it adapts (the fleet's model)
+    tiers: list[str]              # placed on replicas of these tiers
+    replicas: int = 0             # 0: on every replica of the tiers; N: on at most N, loaded on demand
+    versions: list[AdapterVersion] = []
+    current: str = ""             # the version new requests get
+    history: list[str] = []       # versions that were current, oldest first: rollback steps back
+    # engine name (name@version) -> replica -> placement
+    placements: dict[str, dict[str, Placement]] = {}
+
+    def version(self, version: str) -> AdapterVersion | None:
+        return next((v for v in self.versions if v.version == version), None)
+
+
 class AdapterStore(Protocol):
     shared: bool
 
-    async def read(self) -> tuple[dict[str, "Adapter"], dict[str, float]] | None:
+    async def read(self) -> tuple[dict[str, Adapter], dict[str, float]] | None:
         """Every adapter with its placements, and last-use times (`replica \\t engine` -> unix
         time); None when the store is this gateway's memory (nothing to read back)."""
 
-    async def save(self, adapter: "Adapter") -> None: ...
+    async def save(self, adapter: Adapter) -> None: ...
 
     async def drop(self, name: str) -> None: ...
 
-    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None: ...
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None: ...
 
     async def used(self, times: dict[str, float]) -> None: ...
 
@@ -55,13 +84,13 @@ class LocalStore:
     async def read(self) -> None:
         return None
 
-    async def save(self, adapter: "Adapter") -> None:
+    async def save(self, adapter: Adapter) -> None:
         pass
 
     async def drop(self, name: str) -> None:
         pass
 
-    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None:
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None:
         pass
 
     async def used(self, times: dict[str, float]) -> None:
@@ -81,8 +110,7 @@ class RedisStore:
         self.client, self.prefix = client, prefix
         self._registry, self._residency, self._used = prefix + "registry", prefix + "residency", prefix + "used"
 
-    async def read(self) -> tuple[dict[str, "Adapter"], dict[str, float]]:
-        from .adapters import Adapter, Placement
+    async def read(self) -> tuple[dict[str, Adapter], dict[str, float]]:
 
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self._registry).hgetall(self._residency).hgetall(self._used)
@@ -95,14 +123,14 @@ class RedisStore:
                     msgspec.msgpack.decode(value, type=Placement)
         return adapters, {k.decode(): float(v) for k, v in used.items()}
 
-    async def save(self, adapter: "Adapter") -> None:
+    async def save(self, adapter: Adapter) -> None:
         entry = msgspec.structs.replace(adapter, placements={})
         await self.client.hset(self._registry, adapter.name, msgspec.msgpack.encode(entry))
 
     async def drop(self, name: str) -> None:
         await self.client.hdel(self._registry, name)
 
-    async def place(self, name: str, engine: str, replica: str, placement: "Placement | None") -> None:
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None:
         field = f"{name}\t{engine}\t{replica}"
         if placement is None:
             await self.client.hdel(self._residency, field)

@@ -27,7 +27,7 @@ from typing import Iterable
 
 import msgspec
 
-from .adapter_store import AdapterStore, LocalStore
+from .adapter_store import Adapter, AdapterStore, AdapterVersion, LocalStore, Placement
 from .config import LoraConfig
 from .fleet import Fleet, Replica
 from .lora import LoraClient, LoraEngineError
@@ -70,36 +70,6 @@ class AdapterLoadFailed(AdapterError):
     """An engine refused the version (missing, unreadable or malformed adapter): nothing changed."""
 
     status, code = 422, "adapter_load_failed"
-
-
-class AdapterVersion(msgspec.Struct):
-    version: str
-    path: str
-    created: float
-
-
-class Placement(msgspec.Struct):
-    """One version on one replica."""
-
-    state: str                    # loading | resident | failed | unloading
-    error: str = ""
-    # The engine process it was loaded into (its start time): a restarted engine holds nothing.
-    engine_started: float = 0.0
-
-
-class Adapter(msgspec.Struct):
-    name: str
-    base: str                     # the model it adapts (the fleet's model)
-    tiers: list[str]              # placed on replicas of these tiers
-    replicas: int = 0             # 0: on every replica of the tiers; N: on at most N, loaded on demand
-    versions: list[AdapterVersion] = []
-    current: str = ""             # the version new requests get
-    history: list[str] = []       # versions that were current, oldest first: rollback steps back
-    # engine name (name@version) -> replica -> placement
-    placements: dict[str, dict[str, Placement]] = {}
-
-    def version(self, version: str) -> AdapterVersion | None:
-        return next((v for v in self.versions if v.version == version), None)
 
 
 def engine_name(name: str, version: str) -> str:

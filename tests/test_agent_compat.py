@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from conftest import record_result
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -57,7 +57,6 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
 
 
 def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(monkeypatch) -> None:
-    import yieldgate.cache.blocks
     from yieldgate import cache
     monkeypatch.setattr(cache.blocks, "_MEMO_MAX_BLOCKS", 64)
     hasher = BlockHasher()

@@ -20,7 +20,6 @@ with the stack gateway's push token again.
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from pathlib import Path
