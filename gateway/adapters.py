@@ -32,6 +32,7 @@ class AdapterPush(msgspec.Struct, forbid_unknown_fields=True):
     source: Literal["path"] = "path"
     tiers: list[str] | None = None        # default: every tier (a new version keeps the adapter's)
     placement: Literal["all"] = "all"     # every replica of the tiers
+    canary: Annotated[float, Meta(gt=0, lt=1)] | None = None  # that share of requests first (docs/adapters.md#canary)
 
 
 class AdapterCard(ModelCard):
@@ -65,7 +66,7 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
     async def push(request: Request) -> Response:
         spec: AdapterPush = await decode_body(request, AdapterPush)
         try:
-            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers)
+            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, spec.canary)
         except AdapterError as exc:
             raise _api_error(exc) from None
         return json_response(_one(gw, spec.name), 201)

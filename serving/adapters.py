@@ -72,6 +72,24 @@ class Placement(msgspec.Struct):
     error: str = ""
 
 
+class Canary(msgspec.Struct):
+    """A share of an adapter's requests sent to a new version before it is promoted."""
+
+    version: str
+    share: float                  # 0 < share < 1
+    started: float                # wall clock: the outcome rule compares versions from here on
+    requests: int = 0             # requests for the adapter since it started
+    sent: int = 0                 # ... of which the canary version got
+
+    def take(self) -> bool:
+        """Whether this request goes to the canary: exactly `share` of them, spread evenly."""
+        self.requests += 1
+        if int(self.requests * self.share) > self.sent:
+            self.sent += 1
+            return True
+        return False
+
+
 class Adapter(msgspec.Struct):
     name: str
     base: str                     # the model it adapts (the fleet's model)
@@ -81,6 +99,7 @@ class Adapter(msgspec.Struct):
     history: list[str] = []       # versions that were current, oldest first: rollback steps back
     # engine name (name@version) -> replica -> placement
     placements: dict[str, dict[str, Placement]] = {}
+    canary: Canary | None = None  # a version on trial next to `current`
 
     def version(self, version: str) -> AdapterVersion | None:
         return next((v for v in self.versions if v.version == version), None)
@@ -138,11 +157,22 @@ class Adapters:
         adapter = self.adapters.get(model)
         if adapter is None or not adapter.current:
             return None
+        if adapter.canary is not None and adapter.canary.take():
+            return self._canary_route(adapter, adapter.canary.version)
         route = self._routes.get(model)
         if route is None or route.version != adapter.current:  # one object per version, not per request
             record = adapter.version(adapter.current)
             assert record is not None
             route = self._routes[model] = AdapterRoute(adapter.name, adapter.current, record.path)
+        return route
+
+    def _canary_route(self, adapter: Adapter, version: str) -> AdapterRoute:
+        engine = engine_name(adapter.name, version)  # never a model name: those have no "@"
+        route = self._routes.get(engine)
+        if route is None:
+            record = adapter.version(version)
+            assert record is not None
+            route = self._routes[engine] = AdapterRoute(adapter.name, version, record.path)
         return route
 
     def acquire(self, route: AdapterRoute) -> None:
@@ -173,9 +203,11 @@ class Adapters:
         wanted = set(tiers)
         return [r for r in self.fleet.replicas.values() if r.tier in wanted and not r.leaving]
 
-    async def push(self, name: str, version: str, path: str, tiers: list[str] | None = None) -> Adapter:
+    async def push(self, name: str, version: str, path: str, tiers: list[str] | None = None,
+                   canary: float | None = None) -> Adapter:
         """Load `version` of adapter `name` from `path` on every replica of its tiers, then make it
-        the version requests get. A version any engine refuses changes nothing."""
+        the version requests get (with `canary`, that share of them until `promote` or
+        `rollback`). A version any engine refuses changes nothing."""
         if not _NAME.match(name) or name == self.base:
             raise AdapterError(f"Invalid adapter name {name!r}: letters, digits, '.', '_' or '-' "
                                f"(at most 64), and not the base model's name.")
@@ -197,6 +229,11 @@ class Adapters:
                                       "cannot move it (delete it first).")
             if adapter.version(version) is not None:
                 raise AdapterConflict(f"Adapter {name!r} already has version {version!r}; push a new version.")
+            if adapter.canary is not None:
+                raise AdapterConflict(f"Version {adapter.canary.version!r} of adapter {name!r} is on canary; "
+                                      "promote or roll it back first.")
+            if canary is not None and not adapter.current:
+                raise AdapterConflict(f"A canary needs a version of {name!r} that serves already.")
             fresh = name not in self.adapters
             record = AdapterVersion(version, path, time.time())
             adapter.versions.append(record)
@@ -209,14 +246,40 @@ class Adapters:
                 if fresh:
                     del self.adapters[name]
                 raise
+            if canary is not None:
+                adapter.canary = Canary(version, canary, time.time())
+                log.warning("adapter %s: version %s on canary for %.0f%% of requests", name, version, canary * 100)
+                return adapter
             self._switch(adapter, version)
             adapter.history.append(version)
             return adapter
 
-    async def rollback(self, name: str) -> Adapter:
-        """Back to the version that was current before this one (N-1)."""
+    async def promote(self, name: str, canary: str | None = None) -> Adapter:
+        """The canary version (if named, only that one) serves every request from now on."""
         async with self._lock(name):
             adapter = self._get(name)
+            self._check_canary(adapter, canary)
+            version, adapter.canary = adapter.canary.version, None
+            self._switch(adapter, version)
+            adapter.history.append(version)
+            return adapter
+
+    def _check_canary(self, adapter: Adapter, version: str | None) -> None:
+        if adapter.canary is None or version not in (None, adapter.canary.version):
+            named = f" {version!r}" if version else ""
+            raise AdapterConflict(f"Adapter {adapter.name!r} has no version{named} on canary.")
+
+    async def rollback(self, name: str, canary: str | None = None) -> Adapter:
+        """Back to the version that was current before this one (N-1); during a canary, the
+        canary's requests go back to the current version (`canary`: only if that version is on it)."""
+        async with self._lock(name):
+            adapter = self._get(name)
+            if canary is not None:
+                self._check_canary(adapter, canary)
+            if adapter.canary is not None:  # the trial ends; the version that serves stays
+                version, adapter.canary = adapter.canary.version, None
+                self._retire(adapter, engine_name(name, version))
+                return adapter
             if len(adapter.history) < 2:
                 raise AdapterConflict(f"Adapter {name!r} has no earlier version to roll back to.")
             target = adapter.version(adapter.history[-2])
