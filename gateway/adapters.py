@@ -38,6 +38,7 @@ class AdapterPush(msgspec.Struct, forbid_unknown_fields=True):
     source: Literal["path"] = "path"
     tiers: list[str] | None = None        # default: every tier (a new version keeps the adapter's)
     placement: Literal["all"] | OnDemand = "all"   # every replica of the tiers, or N on demand
+    canary: Annotated[float, Meta(gt=0, lt=1)] | None = None  # that share of requests first (docs/adapters.md#canary)
 
 
 class AdapterCard(ModelCard):
@@ -72,7 +73,7 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
         spec: AdapterPush = await decode_body(request, AdapterPush)
         try:
             replicas = spec.placement.replicas if isinstance(spec.placement, OnDemand) else 0
-            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas)
+            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas, spec.canary)
         except AdapterError as exc:
             raise _api_error(exc) from None
         return json_response(await _one(gw, spec.name), 201)

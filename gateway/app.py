@@ -21,6 +21,8 @@ from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
+from .adapter_canary import build_adapter_canary_router
+from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
 from .apis import ANTHROPIC, APIS, ROUTES
@@ -258,6 +260,8 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_admin_router(gw))
     app.include_router(build_intake_router(gw))
     app.include_router(build_adapters_router(gw))
+    app.include_router(build_adapter_push_router(gw))
+    app.include_router(build_adapter_canary_router(gw))
     app.include_router(build_feedback_router(gw, api_key))
     app.include_router(build_dashboard_router(gw, gw.dashboard))
     inference = [Depends(api_key)]

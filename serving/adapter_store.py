@@ -40,6 +40,14 @@ class Placement(msgspec.Struct):
     engine_started: float = 0.0
 
 
+class Canary(msgspec.Struct):
+    """A share of an adapter's requests sent to a new version before it is promoted."""
+
+    version: str
+    share: float                  # 0 < share < 1
+    started: float                # wall clock: the outcome rule compares versions from here on
+
+
 class Adapter(msgspec.Struct):
     name: str
     base: str                     # the model it adapts (the fleet's model)
@@ -50,6 +58,7 @@ class Adapter(msgspec.Struct):
     history: list[str] = []       # versions that were current, oldest first: rollback steps back
     # engine name (name@version) -> replica -> placement
     placements: dict[str, dict[str, Placement]] = {}
+    canary: Canary | None = None  # a version on trial next to `current`
 
     def version(self, version: str) -> AdapterVersion | None:
         return next((v for v in self.versions if v.version == version), None)

@@ -27,7 +27,7 @@ from typing import Iterable
 
 import msgspec
 
-from .adapter_store import Adapter, AdapterStore, AdapterVersion, LocalStore, Placement
+from .adapter_store import Adapter, AdapterStore, AdapterVersion, Canary, LocalStore, Placement
 from .config import LoraConfig
 from .fleet import Fleet, Replica
 from .lora import LoraClient, LoraEngineError
@@ -111,6 +111,7 @@ class Adapters:
         self._writes = 0                           # local changes: a read begun before one is stale
         self._tasks: set[asyncio.Task] = set()     # retiring versions, reloads after restarts, syncs
         self._loads: dict[str, asyncio.Task] = {}  # engine name -> its load on demand
+        self._canary_counts: dict[tuple[str, float], list[int]] = {}  # requests, of which to the canary
         fleet.on_restart.append(self.refill)
         fleet.on_join.append(self._joined)
 
@@ -191,12 +192,33 @@ class Adapters:
         adapter = self.adapters.get(model)
         if adapter is None or not adapter.current:
             return None
+        if adapter.canary is not None and self._canary_take(adapter.canary):
+            return self._canary_route(adapter, adapter.canary.version)
         route = self._routes.get(model)
         if route is None or route.version != adapter.current:  # one object per version, not per request
             record = adapter.version(adapter.current)
             if record is None:
                 return None
             route = self._routes[model] = AdapterRoute(adapter.name, adapter.current, record.path)
+        return route
+
+    def _canary_take(self, canary: Canary) -> bool:
+        """Whether this request goes to the canary: exactly `share` of this gateway's requests for
+        the adapter, spread evenly (counted here, not in the shared registry)."""
+        counts = self._canary_counts.setdefault((canary.version, canary.started), [0, 0])
+        counts[0] += 1
+        if int(counts[0] * canary.share) > counts[1]:
+            counts[1] += 1
+            return True
+        return False
+
+    def _canary_route(self, adapter: Adapter, version: str) -> AdapterRoute:
+        engine = engine_name(adapter.name, version)  # never a model name: those have no "@"
+        route = self._routes.get(engine)
+        if route is None:
+            record = adapter.version(version)
+            assert record is not None
+            route = self._routes[engine] = AdapterRoute(adapter.name, version, record.path)
         return route
 
     def acquire(self, route: AdapterRoute) -> None:
@@ -348,10 +370,11 @@ class Adapters:
         return [r for r in self.fleet.replicas.values() if r.tier in wanted and not r.leaving]
 
     async def push(self, name: str, version: str, path: str, tiers: list[str] | None = None,
-                   replicas: int = 0) -> Adapter:
+                   replicas: int = 0, canary: float | None = None) -> Adapter:
         """Load `version` of adapter `name` from `path` where it is placed (every replica of its
         tiers, or for `replicas: N` where its current version is, else on one replica), then make
-        it the version requests get. A version any engine refuses changes nothing."""
+        it the version requests get (with `canary`, that share of them until `promote` or
+        `rollback`). A version any engine refuses changes nothing."""
         if not _NAME.match(name) or name == self.base:
             raise AdapterError(f"Invalid adapter name {name!r}: letters, digits, '.', '_' or '-' "
                                f"(at most 64), and not the base model's name.")
@@ -377,6 +400,11 @@ class Adapters:
                                       "(delete it first).")
             if adapter.version(version) is not None:
                 raise AdapterConflict(f"Adapter {name!r} already has version {version!r}; push a new version.")
+            if adapter.canary is not None:
+                raise AdapterConflict(f"Version {adapter.canary.version!r} of adapter {name!r} is on canary; "
+                                      "promote or roll it back first.")
+            if canary is not None and not adapter.current:
+                raise AdapterConflict(f"A canary needs a version of {name!r} that serves already.")
             fresh = name not in self.adapters
             record = AdapterVersion(version, path, time.time())
             adapter.versions.append(record)
@@ -393,15 +421,44 @@ class Adapters:
                 else:
                     await self._save(adapter)
                 raise
+            if canary is not None:
+                adapter.canary = Canary(version, canary, time.time())
+                await self._save(adapter)
+                log.warning("adapter %s: version %s on canary for %.0f%% of requests", name, version, canary * 100)
+                return adapter
             adapter.history.append(version)
             await self._switch(adapter, version)
             return adapter
 
-    async def rollback(self, name: str) -> Adapter:
-        """Back to the version that was current before this one (N-1)."""
+    async def promote(self, name: str, canary: str | None = None) -> Adapter:
+        """The canary version (if named, only that one) serves every request from now on."""
         async with self.store.lock(f"adapter:{name}"):
             await self.sync()
             adapter = self._get(name)
+            self._check_canary(adapter, canary)
+            version, adapter.canary = adapter.canary.version, None
+            adapter.history.append(version)
+            await self._switch(adapter, version)
+            return adapter
+
+    def _check_canary(self, adapter: Adapter, version: str | None) -> None:
+        if adapter.canary is None or version not in (None, adapter.canary.version):
+            named = f" {version!r}" if version else ""
+            raise AdapterConflict(f"Adapter {adapter.name!r} has no version{named} on canary.")
+
+    async def rollback(self, name: str, canary: str | None = None) -> Adapter:
+        """Back to the version that was current before this one (N-1); during a canary, the
+        canary's requests go back to the current version (`canary`: only if that version is on it)."""
+        async with self.store.lock(f"adapter:{name}"):
+            await self.sync()
+            adapter = self._get(name)
+            if canary is not None:
+                self._check_canary(adapter, canary)
+            if adapter.canary is not None:  # the trial ends; the version that serves stays
+                version, adapter.canary = adapter.canary.version, None
+                await self._save(adapter)
+                self._retire(adapter, engine_name(name, version))
+                return adapter
             if len(adapter.history) < 2:
                 raise AdapterConflict(f"Adapter {name!r} has no earlier version to roll back to.")
             target = adapter.version(adapter.history[-2])

@@ -2,14 +2,18 @@
 
 Engine side: the `yieldgate` weight-transfer backend (entry point `vllm.general_plugins:
 yieldgate = trainer_bridge.plugin:register`), selected with
-`--weight-transfer-config '{"backend":"yieldgate"}'`. Trainer side: `push()` and friends below.
+`--weight-transfer-config '{"backend":"yieldgate"}'`. Trainer side: `push()` and friends below;
+`push_adapter()` for LoRA adapters (one checksummed upload to the gateway).
 """
+
+from yieldgate.trainer_bridge.adapter_push import AdapterPushReport, adapter_state, push_adapter
 
 from yieldgate.trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
 from yieldgate.trainer_bridge.config import BridgeConfig
 from yieldgate.trainer_bridge.engine_client import EngineClient
 from yieldgate.trainer_bridge.history import WeightHistory
 from yieldgate.trainer_bridge.errors import (
+    AdapterPushRefused,
     BridgeError,
     ChecksumMismatch,
     EngineRequestError,
@@ -34,6 +38,10 @@ from yieldgate.trainer_bridge.push import (
 from yieldgate.trainer_bridge.weights import WeightSet, checkpoint_name
 
 __all__ = [
+    "AdapterPushRefused",
+    "AdapterPushReport",
+    "adapter_state",
+    "push_adapter",
     "BridgeConfig",
     "BridgeError",
     "CheckpointStore",

@@ -69,3 +69,12 @@ class RolloutConflict(WeightsRequestError):
 
 class NoSuchRollout(WeightsRequestError):
     """No rollout (or no engine of it) by that id is waiting for a push."""
+
+
+class AdapterPushRefused(BridgeError):
+    """The gateway refused an adapter push (checksum, format, shapes, version conflict); the
+    version that served before still serves. `status` and `code` are its HTTP answer's."""
+
+    def __init__(self, status: int, code: str | None, message: str) -> None:
+        super().__init__(f"HTTP {status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
