@@ -291,13 +291,14 @@ class Picker:
             ctx.route = RouteRequest()
             payload = upstream_payload(intake, body)
             return Exchange(self, api, ctx, self._route(ctx, await self._candidates(ctx)), True, billed=False), payload
+        # A follow-up whose stored response is gone is refused before admission: nothing billed.
+        await self.affinity.pin(ctx, self.fleet)
         if ctx.adapter is not None:
             # Held until the request is over: a version bump unloads the old version only then.
             ctx.adapter_held = True
             self.adapters.acquire(ctx.adapter)
         lease = None
         try:
-            await self.affinity.pin(ctx, self.fleet)
             await self.accounting.admit(ctx)
             ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
                                              if isinstance(typed, ChatShaped) else intake.raw)
