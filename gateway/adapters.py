@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from yieldgate.serving.adapters import AdapterError
+from yieldgate.serving.adapters import AdapterError, Adapters
 
 from .errors import APIError
 from .http import decode_body, json_response
@@ -48,10 +48,10 @@ class AdapterCard(ModelCard):
     root: str = ""
 
 
-def adapter_cards(gw: "Gateway") -> list[AdapterCard]:
-    adapters = gw.adapters.adapters
-    return [AdapterCard(id=n, parent=adapters[n].base, root=f"{n}@{adapters[n].current}")
-            for n in gw.adapters.names()]
+def adapter_cards(adapters: Adapters) -> list[AdapterCard]:
+    registry = adapters.adapters
+    return [AdapterCard(id=n, parent=registry[n].base, root=f"{n}@{registry[n].current}")
+            for n in adapters.names()]
 
 
 def _api_error(exc: AdapterError) -> APIError:

@@ -13,8 +13,14 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from typing import Any
 
 import redis.asyncio as aioredis
+
+from yieldgate.serving.fleet import Fleet, Replica
+
+from .context import RequestContext
+from .errors import PreviousResponseNotFound, ServiceUnavailable
 
 log = logging.getLogger("yieldgate.affinity")
 
@@ -63,6 +69,41 @@ class ResponseAffinity:
             self._redis_failed(exc)
             return None
         return found.decode() if isinstance(found, bytes) else found
+
+    async def replica(self, response_id: str, fleet: Fleet) -> Replica:
+        """The replica holding a stored response; 404 when no gateway recorded it or its replica
+        is gone (what OpenAI answers for an unknown previous_response_id)."""
+        name = await self.lookup(response_id)
+        if name is None:
+            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
+                                           param="previous_response_id")
+        replica = fleet.replicas.get(name)
+        if replica is None:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found: replica {name}, which stored "
+                "it, is no longer in the fleet.", param="previous_response_id")
+        if replica.swapping:
+            raise ServiceUnavailable(f"The replica holding response '{response_id}' is swapping to new "
+                                     "weights. Retry shortly.", code="weight_swap_in_progress",
+                                     headers={"retry-after": "1"})
+        if not replica.routable:
+            raise PreviousResponseNotFound(
+                f"Previous response with id '{response_id}' not found: replica {replica.name}, which "
+                "stored it, is not serving.", param="previous_response_id")
+        return replica
+
+    async def pin(self, ctx: RequestContext, fleet: Fleet) -> None:
+        """A Responses follow-up (`previous_response_id`) may only go to the replica that stored
+        the earlier response; it is priced and labelled as that replica's tier."""
+        if ctx.kind == "responses" and ctx.typed.previous_response_id:
+            ctx.pinned = await self.replica(ctx.typed.previous_response_id, fleet)
+            ctx.serve_from(ctx.pinned.tier)
+
+    async def remember(self, ctx: RequestContext, response: Any) -> None:
+        """A Responses answer the engine stored: where follow-ups naming it must go."""
+        if ctx.kind == "responses" and ctx.typed.stores and ctx.replica is not None \
+                and isinstance(response, dict) and isinstance(response.get("id"), str):
+            await self.record(response["id"], ctx.replica.name)
 
     def _usable_redis(self) -> aioredis.Redis | None:
         if self._redis is None or time.monotonic() < self._redis_down_until:

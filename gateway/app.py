@@ -296,7 +296,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     @app.get("/v1/models", dependencies=inference)
     async def models() -> Response:
-        cards = [ModelCard(id=i) for i in model_ids()] + adapter_cards(gw)
+        cards = [ModelCard(id=i) for i in model_ids()] + adapter_cards(gw.adapters)
         return Response(_encode(ModelList(data=cards)), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}", dependencies=inference)
@@ -304,7 +304,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
         # The openai SDK's models.retrieve(); ids may hold "/" (org/name) and ":" (the fast tier).
         if model_id in model_ids():
             return Response(_encode(ModelCard(id=model_id)), media_type="application/json")
-        card = next((c for c in adapter_cards(gw) if c.id == model_id), None)
+        card = next((c for c in adapter_cards(gw.adapters) if c.id == model_id), None)
         if card is None:
             raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
         return Response(_encode(card), media_type="application/json")

@@ -72,11 +72,21 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
     weight_swap_hold_s: float = 60.0
 
 
+class PickerAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    """A LoRA adapter version the picker places on its engines at start (it has no admin API)."""
+
+    name: str
+    version: str
+    path: str                          # a PEFT directory the engines can read
+    tiers: list[str] | None = None     # default: every tier
+
+
 class PickerConfig(msgspec.Struct, forbid_unknown_fields=True):
     """`yieldgate picker`: the endpoint picker an Envoy's ext_proc filter calls (docs/picker.md)."""
 
     host: str = "127.0.0.1"
     port: int = 9002                   # the Gateway API Inference Extension's usual EPP port
+    adapters: list[PickerAdapter] = []
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):

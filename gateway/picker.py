@@ -10,12 +10,16 @@ shape (429 over budget or rate, 503 with no healthy replica). The response comes
 picker: a unary answer buffered, decorated with tier and cost as the gateway does and billed; a
 stream chunk by chunk, billed from its final usage event. See docs/picker.md.
 
-Not served here: `previous_response_id` pinning (the picker routes such a request by policy) and
-the admin API, dashboard and weight rollouts, which stay with `yieldgate gateway`.
+A Responses follow-up (`previous_response_id`) goes to the replica that stored the earlier response
+and a request for a LoRA adapter only to replicas holding its version, as in the gateway
+(gateway/affinity.py, Routing.targets); the picker places the adapters of its config ([picker]
+adapters) itself. Not served here: the admin API, dashboard and weight rollouts, which stay with
+`yieldgate gateway`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -31,11 +35,14 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from yieldgate.cache import RouteRequest
+from yieldgate.serving.adapters import AdapterLoadFailed, Adapters
 from yieldgate.serving.fleet import Fleet
 
 from .accounting import Accounting
+from .adapters import adapter_cards
+from .affinity import ResponseAffinity
 from .apis import ANTHROPIC, APIS, ROUTES, Api
-from .config import Config
+from .config import Config, PickerAdapter
 from .context import RequestContext
 from .errors import APIError, InternalError, NotFound
 from .intake import open_request, upstream_payload
@@ -48,6 +55,7 @@ from .schemas import ChatShaped, ModelCard, ModelList
 
 log = logging.getLogger("yieldgate.picker")
 
+ADAPTER_RETRY_S = 5.0   # an adapter no engine could load at start is tried again this often
 DESTINATION = "x-gateway-destination-endpoint"   # header and envoy.lb metadata key (the protocol's)
 METADATA_NAMESPACE = "envoy.lb"
 _decode = msgspec.json.Decoder().decode
@@ -93,6 +101,8 @@ class Exchange:
     buffered: bool = False
     relay: StreamRelay | None = None   # a streamed answer's pass-through and bill (gateway/relay.py)
     ended: bool = False
+    stored: Any = None             # a Responses answer the engine stored, to record where it is
+    remembered: bool = False       # a stream's stored answer was taken once
 
     def response_headers(self, status: int) -> pb.ProcessingResponse:
         """The engine's status line is in: label the answer; a unary 200 is buffered for its usage."""
@@ -135,6 +145,7 @@ class Exchange:
             extra = self.picker.accounting.finish(ctx, usage, "ok")
             api.decorate(answer, ctx, usage, extra)
             data = _encode(answer)
+        self.stored = answer
         self.end("ok")
         headers = [(b"content-length", b"%d" % len(data)), *yieldgate_headers(ctx)]
         return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
@@ -147,6 +158,9 @@ class Exchange:
             self.relay = StreamRelay(self.api, self.ctx, self.picker.accounting, self.want_usage,
                                      self.picker.routing.tokenizer)
         out = self.relay.feed(data)
+        if self.relay.final is not None and not self.remembered:
+            self.remembered = True  # where a follow-up goes: recorded by Process before the answer goes on
+            self.stored = self.relay.final.get("response")
         if end_of_stream:
             out += self.relay.close()
             self.end(self.ctx.status)
@@ -159,6 +173,7 @@ class Exchange:
         self.ended = True
         if self.lease is not None:
             self.lease.release()
+        self.picker.let_go(self.ctx)
         self.picker.routing.done(self.ctx)
         if self.relay is not None:
             self.relay.end(status)
@@ -176,19 +191,51 @@ class Picker:
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet)
         self.streams = StreamLimiter(config.limits.streams_per_key)
+        self.adapters = Adapters(self.fleet)
+        self.affinity = ResponseAffinity(config.fleet.model)
+        self._placing: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.fleet.start()
         await self.accounting.start()
         await self.routing.start()
+        self.affinity.attach(self.accounting.redis)
+        waiting = [a for a in self.config.picker.adapters if not await self._place(a)]
+        if waiting:
+            self._placing = asyncio.create_task(self._place_later(waiting))
+
+    async def _place(self, adapter: PickerAdapter) -> bool:
+        """One adapter version on its tiers' engines (as the gateway's admin push does); False
+        while no engine could take it (an engine still starting)."""
+        try:
+            await self.adapters.push(adapter.name, adapter.version, adapter.path, adapter.tiers)
+        except AdapterLoadFailed as exc:
+            log.warning("adapter %s@%s not placed yet: %s", adapter.name, adapter.version, exc.message)
+            return False
+        return True
+
+    async def _place_later(self, waiting: list[PickerAdapter]) -> None:
+        while waiting:
+            await asyncio.sleep(ADAPTER_RETRY_S)
+            waiting = [a for a in waiting if not await self._place(a)]
 
     async def close(self) -> None:
+        if self._placing is not None:
+            self._placing.cancel()
+            await asyncio.gather(self._placing, return_exceptions=True)
+        await self.adapters.close()
         await self.routing.close()
         await self.accounting.close()
         await self.fleet.close()
 
     def _failover(self, requested: str, served_by: str) -> None:
         self.metrics.failovers.labels(requested, served_by).inc()
+
+    def let_go(self, ctx: RequestContext) -> None:
+        """The request no longer needs its adapter version on the engines (once per request)."""
+        if ctx.adapter_held:
+            ctx.adapter_held = False
+            self.adapters.release(ctx.adapter)
 
     async def pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Exchange, bytes]:
         """Admit and route one request; -> its exchange and the bytes to send the engine.
@@ -201,12 +248,19 @@ class Picker:
         if len(body) > self.config.limits.max_body_bytes:
             raise APIError(f"Request body exceeds {self.config.limits.max_body_bytes} bytes.",
                            status=413, code="payload_too_large")
-        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started)
+        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started,
+                              adapters=self.adapters)
         ctx, typed, api = intake.ctx, intake.typed, APIS[kind]
         if kind == "count_tokens":
             ctx.route = RouteRequest()
             payload = upstream_payload(intake, body)
             return Exchange(self, api, ctx, self._route(ctx, await self._candidates(ctx)), True, billed=False), payload
+        # A follow-up whose stored response is gone is refused before admission: nothing billed.
+        await self.affinity.pin(ctx, self.fleet)
+        if ctx.adapter is not None:
+            # Held until the request is over: a version bump unloads the old version only then.
+            ctx.adapter_held = True
+            self.adapters.acquire(ctx.adapter)
         lease = None
         try:
             await self.accounting.admit(ctx)
@@ -219,13 +273,14 @@ class Picker:
         except BaseException:
             if lease is not None:
                 lease.release()
+            self.let_go(ctx)
             if not ctx.finished:
                 self.accounting.finish(ctx, None, "error")
             raise
         return Exchange(self, api, ctx, endpoint, typed.shows_usage, lease=lease), payload
 
     async def _candidates(self, ctx: RequestContext) -> list[Any]:
-        candidates = await self.routing.candidates(ctx, set(), self._failover)
+        candidates = await self.routing.targets(ctx, set(), self._failover, self.adapters)
         if not candidates:
             raise self.routing.no_replica(ctx)
         return candidates
@@ -239,7 +294,7 @@ class Picker:
     def models(self) -> bytes:
         name = self.config.fleet.model
         ids = [name, f"{name}:fast"] if self.fleet.in_tier("fast") else [name]
-        return _encode(ModelList(data=[ModelCard(id=i) for i in ids]))
+        return _encode(ModelList(data=[ModelCard(id=i) for i in ids] + adapter_cards(self.adapters)))
 
 
 def _client_address(headers: dict[bytes, bytes]) -> str | None:
@@ -318,7 +373,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                                    if h.key == ":status"), 0)
                     yield exchange.response_headers(status)
                 elif which == "response_body" and exchange is not None:
-                    yield exchange.response_body(req.response_body.body, req.response_body.end_of_stream)
+                    out = exchange.response_body(req.response_body.body, req.response_body.end_of_stream)
+                    if exchange.stored is not None and exchange.ctx.kind == "responses":
+                        # Recorded before the answer goes on, so a follow-up naming it finds it.
+                        await self.picker.affinity.remember(exchange.ctx, exchange.stored)
+                        exchange.stored = None
+                    yield out
                 else:  # trailers, which the filter config does not send
                     yield _continue(which)
         except Exception:

@@ -122,9 +122,7 @@ class Proxy:
             self.adapters.acquire(ctx.adapter)
         streaming = False
         try:
-            if kind == "responses" and typed.previous_response_id:
-                ctx.pinned = await self._stored_on(typed.previous_response_id)
-                ctx.serve_from(ctx.pinned.tier)  # priced and labelled as the tier of the replica that has it
+            await self.affinity.pin(ctx, self.fleet)
             await self.accounting.admit(ctx)
             # Responses and Messages requests route on their prompt rendered as chat messages.
             ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
@@ -161,7 +159,7 @@ class Proxy:
         """`GET /v1/responses/{id}` (the openai client's responses.retrieve): asked of the replica
         that stored it, the only engine that has it. Not billed: nothing is generated."""
         try:
-            replica = await self._stored_on(response_id)
+            replica = await self.affinity.replica(response_id, self.fleet)
         except PreviousResponseNotFound as exc:
             raise ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id") from exc
         try:
@@ -177,28 +175,6 @@ class Proxy:
         if resp.status_code != 200:
             return APIS["responses"].upstream_error(resp.status_code, resp.content)
         return JSONReply(resp.content, [(b"x-yieldgate-replica", replica.name.encode("latin-1"))])
-
-    async def _stored_on(self, response_id: str) -> Replica:
-        """The replica holding a stored response; 404 when no gateway recorded it or its replica
-        is gone (what OpenAI answers for an unknown previous_response_id)."""
-        name = await self.affinity.lookup(response_id)
-        if name is None:
-            raise PreviousResponseNotFound(f"Previous response with id '{response_id}' not found.",
-                                           param="previous_response_id")
-        replica = self.fleet.replicas.get(name)
-        if replica is None:
-            raise PreviousResponseNotFound(
-                f"Previous response with id '{response_id}' not found: replica {name}, which stored "
-                "it, is no longer in the fleet.", param="previous_response_id")
-        if replica.swapping:
-            raise ServiceUnavailable(f"The replica holding response '{response_id}' is swapping to new "
-                                     "weights. Retry shortly.", code="weight_swap_in_progress",
-                                     headers={"retry-after": "1"})
-        if not replica.routable:
-            raise PreviousResponseNotFound(
-                f"Previous response with id '{response_id}' not found: replica {replica.name}, which "
-                "stored it, is not serving.", param="previous_response_id")
-        return replica
 
     async def _count_tokens(self, ctx: RequestContext, api: Api, body: bytes) -> Response:
         """Anthropic's token count: any replica of the tier answers it; nothing is generated, so
@@ -225,15 +201,7 @@ class Proxy:
         failed = set() if failed is None else failed
         last_exc: BaseException | None = None
         for attempt in range(3):
-            if ctx.pinned is not None:
-                # A follow-up to a stored response: only the replica that stored it can answer.
-                if ctx.pinned.name in failed or not ctx.pinned.routable:
-                    raise PreviousResponseNotFound(
-                        f"Previous response not found: replica {ctx.pinned.name}, which stored it, "
-                        "failed.", param="previous_response_id")
-                candidates = [ctx.pinned]
-            else:
-                candidates = await self._candidates(ctx, failed)
+            candidates = await self._candidates(ctx, failed)
             if not candidates:
                 break
             decision = self.routing.pick(ctx, ctx.route, candidates)
@@ -272,8 +240,8 @@ class Proxy:
         """The routing candidates; for an adapter, those that hold its version, after loading it
         (the request waits, bounded) where no replica of the tier or its fallback holds it."""
         route = ctx.adapter
-        if route is None:
-            return await self.routing.candidates(ctx, failed, self._failover)
+        if route is None or ctx.pinned is not None:
+            return await self.routing.targets(ctx, failed, self._failover)
         holds = lambda r: self.adapters.holds(route, r)  # noqa: E731
         candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
         routable = [r for r in self.fleet.candidates(ctx.tier) if r.name not in failed] \
@@ -337,14 +305,8 @@ class Proxy:
             raise UpstreamError("Upstream replica sent an unreadable answer.") from None
         extra = self.accounting.finish(ctx, usage, "ok")
         api.decorate(answer, ctx, usage, extra)
-        await self._remember(ctx, answer)
+        await self.affinity.remember(ctx, answer)
         return JSONReply(_encode(answer), self._headers(ctx))
-
-    async def _remember(self, ctx: RequestContext, response: Any) -> None:
-        """A Responses answer the engine stored: where follow-ups naming it must go."""
-        if ctx.kind == "responses" and ctx.typed.stores and ctx.replica is not None \
-                and isinstance(response, dict) and isinstance(response.get("id"), str):
-            await self.affinity.record(response["id"], ctx.replica.name)
 
     async def _stream(self, ctx: RequestContext, api: Api, payload: bytes, want_usage: bool,
                       owner: str) -> Response:
@@ -400,7 +362,7 @@ class Proxy:
                 if relay.final is not None and not remembered:
                     remembered = True  # where follow-ups go, known before the client sees the end
                     if ctx.kind == "responses":
-                        await self._remember(ctx, relay.final.get("response"))
+                        await self.affinity.remember(ctx, relay.final.get("response"))
                 if out:
                     yield out
             rest = relay.close()

@@ -19,15 +19,18 @@ from decimal import Decimal
 from pathlib import Path
 
 import httpx
+import msgspec
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
 
 from needs import missing
 
-from yieldgate.gateway.config import Config, PickerConfig, ServerConfig
+from yieldgate.gateway.config import Config, PickerAdapter, PickerConfig, ServerConfig
 from yieldgate.pricing import KeyStore, LedgerRecord, SQLiteStore
 from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
+from yieldgate.serving.peft import random_adapter
 
 try:
     import grpc  # noqa: F401
@@ -113,7 +116,7 @@ def mesh_factory(tmp_path):
 
     def make(config: Config) -> Mesh:
         port = PORT_BASE + 3 * len(started)  # picker, Envoy listener, Envoy admin
-        config.picker = PickerConfig(host="127.0.0.1", port=port)
+        config.picker = PickerConfig(host="127.0.0.1", port=port, adapters=config.picker.adapters)
         picker = EmbeddedPicker(config)
         bootstrap = tmp_path / f"envoy-{port}.json"
         bootstrap.write_text(json.dumps(picker_mod.envoy_config(
@@ -306,3 +309,92 @@ def test_no_healthy_endpoint_gets_an_openai_503_through_envoy(stack, redis_url, 
     assert [m["id"] for m in httpx.get(mesh.url + "/v1/models", timeout=30).json()["data"]] == ["demo"]
     resp = httpx.get(mesh.url + "/admin/fleet", timeout=30)
     assert (resp.status_code, resp.json()["error"]["code"]) == (404, "not_found")
+
+
+def upstream(raw) -> str:
+    """The engine Envoy connected to, as a URL."""
+    return "http://" + raw.headers["x-upstream-host"]
+
+
+def test_previous_response_id_reaches_the_engine_that_stored_it(stack, redis_url, names, tmp_path,
+                                                                 mesh_factory):
+    """Each follow-up names a response stored on one engine and carries a prompt the other engine
+    has cached: routed by policy it would go there, and vLLM (which keeps stored responses in the
+    engine's memory) would answer 404."""
+    reset_prefix_caches(stack)
+    mesh = mesh_factory(both_engines(stack, redis_url, names, tmp_path / "picker"))
+    fleet = mesh.picker.picker.fleet
+    oai = openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0)
+    time.sleep(0.5)
+    prompts = [prefix_text(), prefix_text()]
+    stored = []
+    for i, prompt in enumerate(prompts):
+        settle(fleet)
+        if i == 0:
+            raw = oai.responses.with_raw_response.create(model="demo", input=prompt + " first", max_output_tokens=4)
+            stored.append((upstream(raw), raw.parse().id))
+            continue
+        # Streamed: the id comes with the final event, which the picker records.
+        with httpx.stream("POST", mesh.url + "/v1/responses", timeout=120, json={
+                "model": "demo", "input": prompt + " first", "max_output_tokens": 4, "stream": True}) as resp:
+            assert resp.status_code == 200
+            done = [json.loads(line[6:]) for line in resp.iter_lines()
+                    if line.startswith("data: ") and '"response.completed"' in line]
+        stored.append((upstream(resp), done[-1]["response"]["id"]))
+    assert stored[0][0] != stored[1][0]  # cache-aware: the two prefixes went to different engines
+    urls = {names[0]: stack.engines["standard"], names[1]: stack.engines["fast"]}
+    r = redis.Redis.from_url(redis_url)
+    try:
+        for (engine, response_id), other_prompt in zip(stored, reversed(prompts)):
+            assert urls[r.get(f"yg:responses:demo:{response_id}").decode()] == engine  # where other pickers look
+            settle(fleet)
+            raw = oai.responses.with_raw_response.create(model="demo", input=other_prompt + " again",
+                                                         max_output_tokens=4, previous_response_id=response_id)
+            assert (raw.status_code, upstream(raw)) == (200, engine)
+            assert ledger_record(tmp_path / "picker", raw.headers["x-request-id"]).status == "ok"
+    finally:
+        r.close()
+    with pytest.raises(openai.NotFoundError) as exc:
+        oai.responses.create(model="demo", input="again", previous_response_id="resp_" + secrets.token_hex(16))
+    assert (exc.value.body["code"], exc.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
+
+
+def test_an_adapter_is_served_only_by_engines_holding_it(stack, redis_url, names, tmp_path, mesh_factory):
+    """The picker places its config's adapter on the fast tier only; the standard tier falls back
+    to fast. A request for the adapter routed by policy alone would reach the standard engine,
+    which does not hold it (vLLM: 404)."""
+    config = both_engines(stack, redis_url, names, tmp_path / "picker")
+    config.fleet.replicas[1] = msgspec.structs.replace(config.fleet.replicas[1], tier="fast")
+    config.fleet.tiers = {"standard": TierConfig(policy="cache_aware", fallback="fast"),
+                          "fast": TierConfig(policy="cache_aware")}
+    path = random_adapter(Path(stack.model_dir), tmp_path / "adapter", seed=7)
+    name = "pk-" + secrets.token_hex(3)
+    config.picker.adapters = [PickerAdapter(name=name, version="v1", path=str(path), tiers=["fast"])]
+    mesh = mesh_factory(config)
+    adapters = mesh.picker.picker.adapters
+    try:
+        cards = httpx.get(mesh.url + "/v1/models", timeout=30).json()["data"]
+        assert {"id": name, "parent": "demo", "root": f"{name}@v1"}.items() <= \
+            next(c for c in cards if c["id"] == name).items()
+        oai = openai.OpenAI(base_url=mesh.url + "/v1", api_key="unused", max_retries=0)
+        for i in range(3):
+            raw = oai.chat.completions.with_raw_response.create(
+                model=name, max_tokens=4, messages=[{"role": "user", "content": f"question {i}"}])
+            assert (raw.status_code, upstream(raw)) == (200, stack.engines["fast"])
+            assert raw.headers["x-yieldgate-requested-tier"] == "standard"
+            record = ledger_record(tmp_path / "picker", raw.headers["x-request-id"])
+            assert (record.adapter, record.weight_version, record.tier) == (name, f"{name}@v1", "fast")
+        base = oai.chat.completions.with_raw_response.create(
+            model="demo", max_tokens=4, messages=[{"role": "user", "content": "question 0"}])
+        assert upstream(base) == stack.engines["standard"]
+        assert adapters.status()[0]["inflight"] == {f"{name}@v1": 0}  # every request let its version go
+        with pytest.raises(openai.NotFoundError) as exc:
+            oai.chat.completions.create(model="pk-no-such", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert exc.value.code == "model_not_found"
+    finally:
+        # Off the engine again (they hold few adapters): the picker has no admin API to do it.
+        mesh.picker.call(adapters.remove(name))
+        deadline = time.monotonic() + 30
+        while name in httpx.get(stack.engines["fast"] + "/v1/models", timeout=10).text \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
