@@ -616,6 +616,9 @@ class Adapters:
                 for replica in sorted({r for placed in adapter.placements.values() for r in placed})}
             doc["replicas"] = {r: v for r, v in doc["replicas"].items() if v}
             doc["inflight"] = {e: self._inflight.get(e, 0) for e in adapter.placements}
+            if adapter.canary is not None:  # this gateway's requests for the adapter, and the canary's
+                requests, sent = self._canary_counts.get((adapter.canary.version, adapter.canary.started), (0, 0))
+                doc["canary"].update(requests=requests, sent=sent)
             out.append(doc)
         return out
 
