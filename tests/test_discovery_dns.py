@@ -325,14 +325,14 @@ def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def one_request(client: openai.AsyncOpenAI, i: int) -> Served:
+async def one_request(client: openai.AsyncOpenAI, i: int, max_tokens: int = 48) -> Served:
     started = time.monotonic()
     try:
         raw = await client.chat.completions.with_raw_response.create(
-            model="demo", max_tokens=48, extra_body={"ignore_eos": True},
+            model="demo", max_tokens=max_tokens, extra_body={"ignore_eos": True},
             messages=[{"role": "user", "content": f"request {i}: {uuid.uuid4().hex} " * 8}])
         completion = raw.parse()
-        ok = completion.usage.completion_tokens == 48
+        ok = completion.usage.completion_tokens == max_tokens
         return Served(started, time.monotonic(), raw.headers.get("x-yieldgate-replica", ""), ok)
     except openai.APIError as exc:
         return Served(started, time.monotonic(), "", False, f"{type(exc).__name__}: {exc}")
@@ -387,6 +387,15 @@ def test_engines_join_and_leave_a_serving_gateway_as_dns_says(stack, redis_url, 
         in_flight_when_dropped.append(replica.inflight)
 
     fleet.on_leave.append(dropped)
+    leave = fleet.leave
+
+    def leave_and_mark(replica, why: str) -> None:
+        # The moment discovery takes a out of routing: its in-flight count then, not after a poll
+        # (its last requests may finish within one).
+        marks["leave_seen"], marks["inflight_at_leave"] = time.monotonic(), replica.inflight
+        leave(replica, why)
+
+    fleet.leave = leave_and_mark
 
     async def load() -> list[Served]:
         served: list[Served] = []
@@ -402,21 +411,19 @@ def test_engines_join_and_leave_a_serving_gateway_as_dns_says(stack, redis_url, 
                 if len(after) >= 12:
                     done.set()
 
+        async def long_requests() -> None:
+            # Two long answers at once: least-loaded spreads them, so one is in flight on a for
+            # seconds, longer than discovery takes to see a unlisted.
+            served.extend(await asyncio.gather(*(one_request(openai_client, 9000 + i, 3000) for i in range(2))))
+
         async def drop_a() -> None:
-            for _ in range(600):
+            for _ in range(1000):
                 if fleet.replicas[a].inflight > 0:
                     break
                 await asyncio.sleep(0.01)
             await asyncio.to_thread(dnsmasq.restart, [target_b])
-            for _ in range(600):
-                replica = fleet.replicas.get(a)
-                if replica is None or replica.leaving:
-                    marks["leave_seen"] = time.monotonic()
-                    marks["inflight_at_leave"] = replica.inflight if replica is not None else 0
-                    return
-                await asyncio.sleep(0.005)
 
-        await asyncio.gather(drop_a(), *(worker(w) for w in range(4)))
+        await asyncio.gather(long_requests(), drop_a(), *(worker(w) for w in range(4)))
         return served
 
     served = asyncio.run(load())
