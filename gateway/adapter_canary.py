@@ -19,7 +19,7 @@ from yieldgate.pricing.release_gate import OutcomeRule, verdict
 from yieldgate.pricing.report import SuccessRow
 from yieldgate.serving.adapters import AdapterError, engine_name
 
-from .adapters import _api_error, _one
+from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError
 from .http import decode_body, json_response
 
@@ -38,12 +38,12 @@ def build_adapter_canary_router(gw: "Gateway") -> APIRouter:
         try:
             await call
         except AdapterError as exc:  # e.g. promoted or rolled back by another call meanwhile
-            raise _api_error(exc) from None
+            raise adapter_api_error(exc) from None
 
     @router.post("/{name}/promote")
     async def promote(name: str) -> Response:
         await adapter_call(gw.adapters.promote(name))
-        return json_response(await _one(gw, name))
+        return json_response(await adapter_doc(gw, name))
 
     @router.post("/{name}/canary/evaluate")
     async def evaluate(name: str, request: Request) -> Response:
@@ -66,6 +66,6 @@ def build_adapter_canary_router(gw: "Gateway") -> APIRouter:
         elif decision == "rollback":  # of this canary only, not of the version that serves
             await adapter_call(gw.adapters.rollback(name, canary.version))
         return json_response({"verdict": decision, "reason": why, "rule": rule,
-                              "versions": {stable_label: stable, canary_label: trial}, "adapter": await _one(gw, name)})
+                              "versions": {stable_label: stable, canary_label: trial}, "adapter": await adapter_doc(gw, name)})
 
     return router

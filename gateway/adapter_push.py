@@ -21,7 +21,7 @@ from yieldgate.serving.adapters import AdapterError
 from yieldgate.serving.config import home_dir
 from yieldgate.serving.peft import IncompatibleAdapter, InvalidAdapter, check_packed_adapter, unpack_adapter
 
-from .adapters import _api_error, _one
+from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError, InvalidRequest, PayloadTooLarge
 from .http import json_response
 
@@ -99,7 +99,7 @@ def build_adapter_push_router(gw: "Gateway") -> APIRouter:
         except AdapterError as exc:
             if created:
                 shutil.rmtree(out, ignore_errors=True)
-            raise _api_error(exc) from None
-        return json_response(await _one(gw, name), 201)
+            raise adapter_api_error(exc) from None
+        return json_response(await adapter_doc(gw, name), 201)
 
     return router

@@ -54,7 +54,7 @@ def adapter_cards(adapters: Adapters) -> list[AdapterCard]:
             for n in adapters.names()]
 
 
-def _api_error(exc: AdapterError) -> APIError:
+def adapter_api_error(exc: AdapterError) -> APIError:
     return APIError(exc.message, status=exc.status, code=exc.code)
 
 
@@ -75,27 +75,27 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
             replicas = spec.placement.replicas if isinstance(spec.placement, OnDemand) else 0
             await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas, spec.canary)
         except AdapterError as exc:
-            raise _api_error(exc) from None
-        return json_response(await _one(gw, spec.name), 201)
+            raise adapter_api_error(exc) from None
+        return json_response(await adapter_doc(gw, spec.name), 201)
 
     @router.post("/{name}/rollback")
     async def rollback(name: str) -> Response:
         try:
             await gw.adapters.rollback(name)
         except AdapterError as exc:
-            raise _api_error(exc) from None
-        return json_response(await _one(gw, name))
+            raise adapter_api_error(exc) from None
+        return json_response(await adapter_doc(gw, name))
 
     @router.delete("/{name}")
     async def remove(name: str) -> Response:
         try:
             await gw.adapters.remove(name)
         except AdapterError as exc:
-            raise _api_error(exc) from None
+            raise adapter_api_error(exc) from None
         return json_response({"name": name, "deleted": True})
 
     return router
 
 
-async def _one(gw: "Gateway", name: str) -> dict:
+async def adapter_doc(gw: "Gateway", name: str) -> dict:
     return next(d for d in await gw.adapters.status() if d["name"] == name)
