@@ -19,6 +19,7 @@ from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, 
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.config import TierConfig
 from yieldgate.serving.fleet import Fleet, Replica
+from yieldgate.serving.redis_link import reachable_redis
 
 from .context import RequestContext
 from .config import Config
@@ -79,14 +80,8 @@ class Routing:
                       pipeline=tier.pipeline)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
-        url = self.config.server.redis_url
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
-        try:
-            await client.ping()
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("Redis at %s unreachable (%s): prefix index stays local to this gateway",
-                        url, type(exc).__name__)
-            await client.aclose()
+        client = await reachable_redis(self.config.server.redis_url, "the prefix index", socket_timeout=2)
+        if client is None:
             return PrefixIndex()
         self._redis = client
         index = SharedPrefixIndex(client, PrefixIndexConfig(redis_key_prefix=f"yg:prefix:{self.config.fleet.model}"))

@@ -161,14 +161,9 @@ class RedisStore:
 
 async def open_store(redis_url: str, model: str) -> AdapterStore:
     """Redis when it answers (the registry is shared), else this gateway's memory."""
-    import redis.asyncio as aioredis
+    from .redis_link import reachable_redis
 
-    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
-    try:
-        await client.ping()
-    except (aioredis.RedisError, OSError) as exc:
-        log.warning("Redis at %s unreachable (%s): the adapter registry stays local to this gateway",
-                    redis_url, type(exc).__name__)
-        await client.aclose()
+    client = await reachable_redis(redis_url, "the adapter registry", socket_timeout=5)
+    if client is None:
         return LocalStore()
     return RedisStore(client, f"yg:adapters:{model}:")
