@@ -29,7 +29,7 @@ from .apis import ANTHROPIC, APIS, ROUTES
 from .http import bearer_token
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
-from .drain import Drain, DrainingServer, default_instance_id
+from .drain import Drain, DrainingServer, close_within, default_instance_id
 from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
 from .health import build_health_router
 from .metrics import GatewayMetrics
@@ -99,13 +99,12 @@ class Gateway:
         self.weights.start()
 
     async def close(self) -> None:
-        await self.weights.close()
-        await self.proxy.close()
-        await self.adapters.close()
-        await self.routing.close()
-        await self.dashboard.close()
-        await self.accounting.close()
-        await self.fleet.close()
+        """Each part in turn, the ledger among the first (its journal flushed to the store), each
+        bounded in time (gateway/drain.py close_within): one part that hangs stops nothing else."""
+        for name, part in (("weights", self.weights), ("proxy", self.proxy), ("accounting", self.accounting),
+                           ("adapters", self.adapters), ("routing", self.routing),
+                           ("dashboard", self.dashboard), ("fleet", self.fleet)):
+            await close_within(name, part.close())
 
     def _engine_event(self, replica: str, event: str, detail: str) -> None:
         """From the supervisor's thread: count restarts by what brought the engine down."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -49,6 +51,8 @@ def _serve(config: Config, supervisor=None) -> None:
             server.handle_exit(sig, frame)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # `kill -USR1` writes every thread's Python stack to stderr: where a gateway that will not stop waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         from .app import InsecureConfig, create_app, draining_server
 
@@ -63,6 +67,8 @@ def _serve(config: Config, supervisor=None) -> None:
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    logging.getLogger("yieldgate.drain").warning("stopped%s", f"; threads still running: {others}" if others else "")
 
 
 @model_app.command("make")

@@ -14,25 +14,61 @@ soon as its start-up is done, exit 0.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
 import socket
 import time
 from types import FrameType
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 import uvicorn
 
 log = logging.getLogger("yieldgate.drain")
 
-# How long cut streams get to write their error event before their tasks are cancelled.
+# How long cut streams get to write their error event before their tasks are cancelled, and how
+# long cancelled tasks get to end.
 _CUT_GRACE_S = 2.0
+# While the stop waits, a log line this often says on what.
+_PROGRESS_S = 5.0
+
+
+def where_tasks_wait(tasks: "set[asyncio.Task] | list[asyncio.Task]", limit: int = 6) -> str:
+    """Each task's name and the innermost frames it is suspended in, for a log line that says
+    what a stop is waiting on."""
+    out = io.StringIO()
+    for task in list(tasks)[:limit]:
+        out.write(f"\n  task {task.get_name()}:")
+        for frame in task.get_stack(limit=4):
+            code = frame.f_code
+            out.write(f" {code.co_name} ({os.path.basename(code.co_filename)}:{frame.f_lineno})")
+    if len(tasks) > limit:
+        out.write(f"\n  ... and {len(tasks) - limit} more")
+    return out.getvalue()
 
 
 def default_instance_id() -> str:
     """Unique per process on a host, readable in a ledger row: "<hostname>-<pid>"."""
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+async def close_within(name: str, closing: Coroutine[Any, Any, None], warn_s: float = 10.0,
+                       limit_s: float = 30.0) -> None:
+    """Await one part of the app's shutdown. Still closing after `warn_s`: the log names it and
+    where every task waits; after `limit_s` the stop goes on without it. A part that fails is
+    logged, and the parts after it still close."""
+    task = asyncio.ensure_future(closing)
+    done, _ = await asyncio.wait({task}, timeout=warn_s)
+    if not done:
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        log.warning("stop: %s still closing after %g s:%s", name, warn_s, where_tasks_wait(others, limit=12))
+        done, _ = await asyncio.wait({task}, timeout=limit_s - warn_s)
+    if not done:
+        log.error("stop: %s did not close within %g s; the stop goes on without it", name, limit_s)
+        task.cancel()
+    elif not task.cancelled() and task.exception() is not None:
+        log.error("stop: closing %s failed", name, exc_info=task.exception())
 
 
 class Drain:
@@ -97,9 +133,16 @@ class DrainingServer(uvicorn.Server):
 
     async def _wait_tasks_to_complete(self) -> None:
         state = self.server_state
-        deadline = time.monotonic() + self.stop_timeout_s
+        started = time.monotonic()
+        deadline, report = started + self.stop_timeout_s, started + _PROGRESS_S
+        log.warning("stop: listener closed; %d connections, %d requests in flight",
+                    len(state.connections), len(state.tasks))
         while (state.connections or state.tasks) and not self.forced and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+            if time.monotonic() >= report:
+                report += _PROGRESS_S
+                log.warning("stop: waiting for %d connections, %d requests in flight (%d streams)",
+                            len(state.connections), len(state.tasks), self.drain.open_streams)
         if state.tasks:
             cut = self.drain.cut_streams()
             log.warning("stop: %s with %d requests in flight; %d streams ended with an error event",
@@ -113,6 +156,11 @@ class DrainingServer(uvicorn.Server):
             tasks = list(state.tasks)
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:
+                _, stuck = await asyncio.wait(tasks, timeout=_CUT_GRACE_S)
+                if stuck:  # never wait on them for ever: the ledger still has to close
+                    log.error("stop: %d requests did not end when cancelled:%s", len(stuck),
+                              where_tasks_wait(stuck))
+        log.warning("stop: requests done after %.1f s; closing the app", time.monotonic() - started)
         for server in self.servers:
             await server.wait_closed()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from polling import until
+from polling import exit_code, until
 from test_discovery_dns import SRV_NAME, ZONE, Dnsmasq
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
@@ -412,7 +412,7 @@ def drill_sigterm(fleet: Fleet, victim: int = 0) -> Drill:
     gw.process.send_signal(15)
     until(lambda: url not in service.ready, "the Service drops the draining gateway", pause_s=0.05)
     drill.mark("the Service sees it not ready")
-    drill.numbers["exit_code"] = gw.process.wait(120)
+    drill.numbers["exit_code"] = exit_code(gw.process, 120, gw.log_path)
     drill.numbers["drain_s"] = round(drill.mark(f"{fleet.instance(victim)} exited "
                                                  f"{drill.numbers['exit_code']:.0f}") - signalled, 2)
     drill.numbers["signalled_at"] = signalled

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from multihost import sse_lines
-from polling import until
+from polling import exit_code, until
 from yieldgate.cache import Tokenizer
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
@@ -170,7 +170,7 @@ def test_sigterm_drains_streams_and_flushes_the_ledger(stack, redis_url, tmp_pat
         # Then the listener closes and the streams in flight carry on to their end; the process
         # exits 0 once they have (when the listener closes relative to the streams depends on
         # how fast the engine streams, so only the outcome is checked).
-        assert gw.process.wait(drain_s + stop_timeout_s + 30) == 0
+        assert exit_code(gw.process, drain_s + stop_timeout_s + 30, gw.log_path) == 0
         assert http_status(gw.url + "/healthz") == 0
         for t in threads:
             t.join(10)
@@ -205,7 +205,7 @@ def test_a_sigterm_during_start_up_stops_the_gateway_cleanly(stack, redis_url, t
         until(lambda: catches_sigterm(gw.process.pid), "the gateway handles SIGTERM", pause_s=0.01, attempts=6000)
         assert http_status(gw.url + "/healthz") == 0  # not serving yet
         gw.process.send_signal(signal.SIGTERM)
-        assert gw.process.wait(120) == 0  # well within drain_s
+        assert exit_code(gw.process, 120, gw.log_path) == 0  # well within drain_s
     finally:
         gw.stop()
     assert http_status(gw.url + "/healthz") == 0
@@ -229,7 +229,7 @@ def test_a_second_sigterm_or_the_stop_timeout_ends_streams_billed_for_what_was_r
         if how == "second_sigterm":
             assert httpx.get(gw.url + "/readyz", timeout=5).status_code == 503
             gw.process.send_signal(signal.SIGTERM)
-        assert gw.process.wait(60) == 0
+        assert exit_code(gw.process, 60, gw.log_path) == 0
         for t in threads:
             t.join(30)
     finally:
@@ -262,7 +262,7 @@ def test_a_cut_stream_is_billed_for_the_tokens_relayed_not_its_events(stack, red
         thread.start()
         until(lambda: stream.token_events >= 40 or stream.done, "40 events relayed", pause_s=0.02, attempts=3000)
         gw.process.send_signal(signal.SIGTERM)
-        assert gw.process.wait(60) == 0
+        assert exit_code(gw.process, 60, gw.log_path) == 0
         thread.join(30)
     finally:
         gw.stop()

@@ -8,6 +8,8 @@ import time
 import psutil
 import pytest
 
+from polling import exit_code
+
 
 def test_sigterm_stops_every_child(stack):
     if stack.process is None:
@@ -18,7 +20,7 @@ def test_sigterm_stops_every_child(stack):
     assert len(engines) == 2
     assert len(children) >= 4  # each engine forks an EngineCore (and workers)
     up.send_signal(signal.SIGTERM)  # only the parent: it must clean up after itself
-    stack.process.wait(120)
+    exit_code(stack.process, 120, stack.extra.get("log_path"))
     deadline = time.monotonic() + 30
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     while alive and time.monotonic() < deadline:
