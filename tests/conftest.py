@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from yieldgate.gateway.embedded import EmbeddedGateway as InProcessGateway
@@ -85,6 +86,11 @@ class Stack:
     def base_url(self) -> str:
         return self.gateway_url + "/v1"
 
+    def admin_client(self, timeout: float = 300) -> httpx.Client:
+        """A client of the gateway that sends the admin credential."""
+        return httpx.Client(base_url=self.gateway_url, timeout=timeout,
+                            headers={"Authorization": f"Bearer {self.admin_token}"})
+
 
 def stack_config(admin_token: str, redis_url: str) -> str:
     return f"""
@@ -100,6 +106,13 @@ block_size = 32
 demo_base_port = {ENGINE_BASE_PORT}
 demo_hosts = {list(ENGINE_HOSTS)}
 """
+
+
+@pytest.fixture(scope="module")
+def admin(stack) -> Iterator[httpx.Client]:
+    """The session stack's gateway with the admin credential (a module may add its own clean-up)."""
+    with stack.admin_client() as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def admin(stack) -> httpx.Client:
-    with httpx.Client(base_url=stack.gateway_url, timeout=300,
-                      headers={"Authorization": f"Bearer {stack.admin_token}"}) as client:
+    with stack.admin_client() as client:
         yield client
         for adapter in client.get("/admin/adapters").json()["data"]:
             client.delete(f"/admin/adapters/{adapter['name']}")

@@ -34,13 +34,6 @@ NAME = "tl-a"
 
 
 @pytest.fixture(scope="module")
-def admin(stack) -> httpx.Client:
-    with httpx.Client(base_url=stack.gateway_url, timeout=300,
-                      headers={"Authorization": f"Bearer {stack.admin_token}"}) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def files(stack, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("adapters")
     made = {f"v{seed}": random_adapter(Path(stack.model_dir), root / f"v{seed}", seed=seed) for seed in (1, 2, 3)}

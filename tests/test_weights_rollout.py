@@ -34,13 +34,6 @@ def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 
 @pytest.fixture(scope="module")
-def admin(stack) -> httpx.Client:
-    with httpx.Client(base_url=stack.gateway_url, timeout=300,
-                      headers={"Authorization": f"Bearer {stack.admin_token}"}) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def base_weights(stack) -> dict[str, torch.Tensor]:
     return load_file(str(Path(stack.model_dir) / "model.safetensors"))
 

@@ -42,8 +42,7 @@ RESTART_BUDGET_S = 600   # the supervisor's restart plus the engine's start-up, 
 
 @pytest.fixture(scope="module")
 def admin(stack):
-    with httpx.Client(base_url=stack.gateway_url, timeout=300,
-                      headers={"Authorization": f"Bearer {stack.admin_token}"}) as client:
+    with stack.admin_client() as client:
         yield client
         client.post("/admin/weights/rollback", json={"to": "base"})
 
