@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import ipaddress
@@ -35,6 +36,7 @@ from .health import build_health_router
 from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
+from .stall import LoopWatch
 from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest, ModelCard,
                       ModelList, ResponsesRequest)
 from .weights import WeightOrchestrator, build_intake_router
@@ -90,6 +92,8 @@ class Gateway:
         self.fleet.on_leave.append(self._left)
 
     async def start(self) -> None:
+        self.loop_watch = LoopWatch(asyncio.get_running_loop())  # logs what holds the loop (gateway/stall.py)
+        self.loop_watch.start()
         await self.fleet.start()
         await self.accounting.start()
         await self.dashboard.start()
@@ -105,6 +109,7 @@ class Gateway:
                            ("adapters", self.adapters), ("routing", self.routing),
                            ("dashboard", self.dashboard), ("fleet", self.fleet)):
             await close_within(name, part.close())
+        self.loop_watch.stop()
 
     def _engine_event(self, replica: str, event: str, detail: str) -> None:
         """From the supervisor's thread: count restarts by what brought the engine down."""

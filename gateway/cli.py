@@ -38,7 +38,11 @@ def _load(config_path: Optional[Path]) -> Config:
         raise typer.Exit(2) from None
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
 def _serve(config: Config, supervisor=None) -> None:
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)  # when called from outside main()
     # Loading the app takes seconds; a SIGTERM meanwhile must stop the gateway cleanly, not kill it
     # by the default action or get lost before uvicorn installs the server's own handlers.
     server = None
@@ -172,7 +176,7 @@ def _wait_with_progress(launcher) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     app()
 
 
