@@ -443,11 +443,20 @@ class Fleet:
             replica.engine_started = started
 
 
+def only_families(text: str, names: tuple[str, ...]) -> str:
+    """The lines of Prometheus text that belong to these metric families (a name may match a
+    longer one; the parser's sample names tell them apart). An engine's /metrics keeps growing:
+    vLLM keeps a `vllm:lora_requests_info` series for every set of adapters it ever ran, and parsing
+    all of that in pure Python held the gateway's event loop for seconds per scrape."""
+    keep = names + tuple(f"# TYPE {n}" for n in names) + tuple(f"# HELP {n}" for n in names)
+    return "\n".join(line for line in text.split("\n") if line.startswith(keep)) + "\n"
+
+
 def parse_engine_metrics(text: str) -> tuple[dict[str, float], int | None]:
     """Sum the scraped series over their labels; also return the KV capacity in blocks."""
     values: dict[str, float] = {}
     capacity = None
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(only_families(text, SCRAPED + ("vllm:cache_config_info",))):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
             if name in SCRAPED:

@@ -11,6 +11,8 @@ import asyncio
 
 import aiohttp
 
+from .fleet import only_families
+
 
 class LoraEngineError(RuntimeError):
     """The engine refused a LoRA call (or could not be reached); `status` is its HTTP status (0 if
@@ -88,25 +90,35 @@ class LoraClient:
     async def busy(self, url: str) -> set[str]:
         """The adapters the engine is running or has waiting now (`vllm:lora_requests_info`, whose
         newest label set is the engine's last step; empty when nothing runs there)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
         session = await self._http()
         try:
             async with session.get(url + "/metrics") as resp:
                 text = await resp.text() if resp.status == 200 else ""
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise LoraEngineError(url, "/metrics", 0, f"{type(exc).__name__}: {exc}") from None
-        newest, active = None, 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "vllm:lora_requests_info" and (newest is None or s.value > newest.value):
-                    newest = s
-                elif s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                    active += s.value
-        if newest is None or not active:
-            return set()
-        names = newest.labels.get("running_lora_adapters", "") + "," + newest.labels.get("waiting_lora_adapters", "")
-        return {n for n in names.split(",") if n}
+        return busy_adapters(text)
+
+
+def busy_adapters(text: str) -> set[str]:
+    """The adapters running or waiting in an engine's /metrics text: the newest label set of
+    `vllm:lora_requests_info` (the value is when that set was last seen; the engine keeps one series
+    for every set it ever ran, so only the newest line is parsed), none while nothing runs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    info = [line for line in text.split("\n") if line.startswith("vllm:lora_requests_info{")]
+    latest = max(info, key=lambda line: float(line.rsplit(" ", 1)[1]), default="")
+    counts = only_families(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    newest, active = None, 0.0
+    for family in text_string_to_metric_families(counts + latest + "\n"):
+        for s in family.samples:
+            if s.name == "vllm:lora_requests_info":
+                newest = s
+            elif s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                active += s.value
+    if newest is None or not active:
+        return set()
+    names = newest.labels.get("running_lora_adapters", "") + "," + newest.labels.get("waiting_lora_adapters", "")
+    return {n for n in names.split(",") if n}
 
 
 def _message(text: str) -> str:

@@ -431,13 +431,16 @@ def drill_sigkill(fleet: Fleet, victim: int = 1) -> Drill:
     until(lambda: load.inflight_on(url) >= 2, "streams in flight on the victim", attempts=600, pause_s=0.05)
     gw = fleet.gateways[victim]
     assert gw is not None
+    sent = time.monotonic()
     gw.process.kill()
-    drill.numbers["in_flight_at_kill"] = load.inflight_on(url)
-    killed = drill.mark(f"SIGKILL {fleet.instance(victim)} ({drill.numbers['in_flight_at_kill']:.0f} streams in flight on it)")
-    gw.process.wait(10)
+    gw.process.wait(10)  # a request sent before the process is gone may still reach it
+    killed = drill.mark(f"SIGKILL {fleet.instance(victim)} ({load.inflight_on(url)} streams in flight on it)")
     drill.numbers["killed_at"] = killed
     time.sleep(3)
     _end(drill, service, load)
+    # In flight on it: sent to it before it was gone, not over when the signal was sent.
+    drill.numbers["in_flight_at_kill"] = sum(1 for s in drill.served if s.gateway_url == url
+                                             and s.started < killed and s.ended > sent)
     fleet.start_gateway(victim)
     drill.mark(f"{fleet.instance(victim)} restarted on its data directory")
     return drill
