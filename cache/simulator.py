@@ -45,9 +45,11 @@ class EngineModel(msgspec.Struct, frozen=True, kw_only=True):
     kv_capacity_blocks: int = 8192
     kv_events: bool = True  # False: the index learns only from Router.observe (approximate)
     # LoRA: adapters resident at once (vLLM's --max-loras, fleet.lora.max_loras), and the time one
-    # load takes; a request for an adapter not resident waits for its load, loads run one at a time.
+    # load (and the unload that empties a slot for it) takes; a request for an adapter not resident
+    # waits for its load, loads run one at a time (benchmarks/lora_load.py measures a demo engine's).
     max_loras: int = 2
     lora_load_s: float = 0.1
+    lora_unload_s: float = 0.0
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
@@ -276,6 +278,7 @@ class SimReplica:
         if adapter in self.adapters:
             self.adapters.move_to_end(adapter)
             return max(self.sim.now, self._loaded_at.get(adapter, 0.0))  # a load in progress is waited for
+        unload_s = 0.0
         if len(self.adapters) >= self.model.max_loras:
             victim = next((a for a in self.adapters if not self.adapter_requests[a]), None)
             if victim is None:
@@ -283,9 +286,10 @@ class SimReplica:
             del self.adapters[victim]
             self._loaded_at.pop(victim, None)
             self.unloads += 1
+            unload_s = self.model.lora_unload_s
         self.adapters[adapter] = None
         self.loads += 1
-        self._loader_free_at = max(self.sim.now, self._loader_free_at) + self.model.lora_load_s
+        self._loader_free_at = max(self.sim.now, self._loader_free_at) + unload_s + self.model.lora_load_s
         self._loaded_at[adapter] = self._loader_free_at
         return self._loader_free_at
 
@@ -301,6 +305,7 @@ class SimReplica:
         return True
 
     def _adapter_released(self, req: SimRequest) -> None:
+        """`req` is over: its adapter's slot may be emptied, so requests waiting for one try again."""
         self.adapter_requests[req.adapter] -= 1
         if self._no_slot and not self.adapter_requests[req.adapter]:
             waiting, self._no_slot = self._no_slot, []

@@ -19,9 +19,11 @@ def prompts():
     return PromptBuilder(demo_tokenizer())
 
 
-def one_replica(max_loras: int = 2, lora_load_s: float = 0.5) -> tuple[FleetSimulator, object]:
+def one_replica(max_loras: int = 2, lora_load_s: float = 0.5, lora_unload_s: float = 0.0
+                ) -> tuple[FleetSimulator, object]:
     """A one-replica fleet without clients: requests are submitted to its replica by hand."""
-    cfg = SimConfig(replicas=1, engine=EngineModel(max_loras=max_loras, lora_load_s=lora_load_s))
+    cfg = SimConfig(replicas=1, engine=EngineModel(max_loras=max_loras, lora_load_s=lora_load_s,
+                                                   lora_unload_s=lora_unload_s))
     fleet = FleetSimulator(cfg, iter(()), prompts=None)
     return fleet, fleet.replicas[0]
 
@@ -64,6 +66,14 @@ def test_a_load_delays_the_first_token_by_the_load_time_and_is_counted():
         assert (replica.loads, replica.unloads) == (1, 0)
     assert ttft[0.3][0] - ttft[0.0][0] == pytest.approx(0.3)
     assert ttft[0.3][1] == pytest.approx(ttft[0.0][1])  # resident by then: no load
+
+
+def test_a_load_that_empties_a_slot_also_waits_for_the_unload():
+    fleet, replica = one_replica(max_loras=1, lora_load_s=0.1, lora_unload_s=0.05)
+    a, b = request(0, "a", 0.0), request(1, "b", 2.0)
+    submit_all(fleet, replica, [a, b])
+    assert (b.first_token - b.arrival) - (a.first_token - a.arrival) == pytest.approx(0.05)
+    assert (replica.loads, replica.unloads) == (2, 1)
 
 
 def test_loads_on_one_replica_run_one_at_a_time_and_share_a_load_in_progress():
