@@ -28,6 +28,11 @@ from yieldgate.cache.scorers import (
 Needs = Literal["tokens", "session", "nothing"]
 
 
+# adapter_aware's adapter_affinity weight: kv_cost counts blocks of prefill, so a resident adapter
+# beats one that must unload another by this many blocks.
+ADAPTER_AFFINITY_WEIGHT = 64.0
+
+
 class UnknownPolicy(ValueError):
     """A policy, filter, scorer or picker name that is not registered."""
 
@@ -142,6 +147,11 @@ register_preset("consistent_hash", PipelineSpec(scorers=[WeightedScorer("consist
 # Opt-in: cache_aware that also counts the cached blocks a pick would evict (docs/routing.md).
 register_preset("cache_aware_evict", PipelineSpec(filters=["hotspot", "share"],
                                                   scorers=[WeightedScorer("kv_cost"), WeightedScorer("eviction")]))
+# LoRA adapters placed on demand: cache_aware plus the adapter's affinity (resident > free slot >
+# must unload one), in blocks of prefill a load is worth (tuned on the simulator, docs/routing.md).
+register_preset("adapter_aware", PipelineSpec(filters=["hotspot", "share"],
+                                              scorers=[WeightedScorer("kv_cost"),
+                                                       WeightedScorer("adapter_affinity", ADAPTER_AFFINITY_WEIGHT)]))
 # A fast tier that also reaches plain replicas (`fleet.tiers.fast.plain_tier`): each request goes
 # where it decodes fastest, then by cache_aware's cost (docs/routing.md#speculation).
 register_preset("speculation_aware", PipelineSpec(filters=["speculation", "hotspot", "share"],

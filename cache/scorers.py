@@ -278,6 +278,15 @@ class SessionAffinityScorer:
         return {c.name: (1.0 if c is home else 0.0) for c in candidates}
 
 
+def adapter_affinity(resident: bool, loaded: int, max_loras: int) -> float:
+    """A replica's affinity for a LoRA adapter request: 1 where the adapter is resident, 0.5
+    where one of its `max_loras` slots is free (`loaded` are taken), 0 where loading it means
+    unloading another adapter. The gateway (serving.Adapters) and the simulator both use it."""
+    if resident:
+        return 1.0
+    return 0.5 if loaded < max_loras else 0.0
+
+
 class AdapterAffinityScorer:
     """For a LoRA adapter request: resident (1) > free adapter slot (0.5) > must unload one (0);
     every replica scores 0 for a base-model request. Weighted against cache and load scorers, it

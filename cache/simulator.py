@@ -2,7 +2,8 @@
 
 Real: `cache.Router`, `PrefixIndex`, `BlockHasher`, the served model's tokenizer and the load
 tester's seeded workloads. Modelled: each replica's continuous batching, step time and LRU KV
-cache. `cached / oracle` is the share of achievable prefix reuse a policy captures. Method and
+cache, and its LoRA adapter slots (a session's `adapter`: loaded on demand, least recently used
+unloaded). `cached / oracle` is the share of achievable prefix reuse a policy captures. Method and
 model: docs/routing.md#simulator.
 """
 
@@ -12,17 +13,17 @@ import heapq
 import itertools
 import math
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any, Literal
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher
+from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys
 from yieldgate.cache.prefix_index import PrefixIndex, PrefixIndexConfig
 from yieldgate.cache.routing import Router, RouterConfig
-from yieldgate.cache.scorers import RouteRequest
+from yieldgate.cache.scorers import RouteRequest, adapter_affinity
 from yieldgate.cache.tokenizer import Tokenizer
 
 # Filler words for simulated assistant answers; ~0.45 words per demo-model token.
@@ -43,6 +44,12 @@ class EngineModel(msgspec.Struct, frozen=True, kw_only=True):
     max_batched_tokens: int = 8192  # prefill tokens admitted per step (first request always fits)
     kv_capacity_blocks: int = 8192
     kv_events: bool = True  # False: the index learns only from Router.observe (approximate)
+    # LoRA: adapters resident at once (vLLM's --max-loras, fleet.lora.max_loras), and the time one
+    # load (and the unload that empties a slot for it) takes; a request for an adapter not resident
+    # waits for its load, loads run one at a time (benchmarks/lora_load.py measures a demo engine's).
+    max_loras: int = 2
+    lora_load_s: float = 0.1
+    lora_unload_s: float = 0.0
 
 
 class SimConfig(msgspec.Struct, kw_only=True):
@@ -93,16 +100,20 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     busy_max_over_mean: float  # engine busy time per replica
     predicted_cached_tokens: int  # what the router's index predicted at dispatch
     evicted_blocks: int
+    adapter_requests: int = 0  # requests for a LoRA adapter
+    loads_per_1k: float = 0.0  # adapter loads per 1,000 requests (0 without adapters)
+    unloads_per_1k: float = 0.0  # adapters unloaded to free a slot, per 1,000 requests
 
 
 class SimRequest:
     __slots__ = ("id", "session", "turn", "tokens", "hashes", "n_prompt", "n_out", "arrival", "replica",
                  "cached_blocks", "pinned", "anon_blocks", "first_token", "finish", "remaining", "done_cb",
-                 "predicted", "oracle_blocks", "on_first_token")
+                 "predicted", "oracle_blocks", "on_first_token", "adapter")
 
     def __init__(self, rid: int, session: str, turn: int, tokens: list[int], hashes: list[BlockHash],
-                 n_out: int, arrival: float) -> None:
+                 n_out: int, arrival: float, adapter: str | None = None) -> None:
         self.id = rid
+        self.adapter = adapter  # the LoRA adapter it runs with (None: the base model)
         self.session = session
         self.turn = turn
         self.tokens = tokens
@@ -220,6 +231,15 @@ class SimReplica:
         self._plan: tuple[float, float, int, list[SimRequest]] | None = None  # start, step, k, admitted
         self._gauges = (0.0, 0.0)
         self._scraped_at = -math.inf
+        # LoRA slots: resident adapters (least recently used first), this replica's requests per
+        # adapter (an adapter with a request here is never unloaded), loads in progress.
+        self.adapters: OrderedDict[str, None] = OrderedDict()
+        self.adapter_requests: Counter[str] = Counter()
+        self.loads = 0
+        self.unloads = 0
+        self._loaded_at: dict[str, float] = {}
+        self._loader_free_at = 0.0
+        self._no_slot: list[SimRequest] = []  # every slot holds an adapter with requests here
 
     # -- Candidate protocol: engine gauges as last scraped ---------------------------------------
     def _scrape(self) -> tuple[float, float]:
@@ -246,9 +266,66 @@ class SimReplica:
         if self.model.kv_events:
             self.sim.kv_event(lambda: self.sim.index.remove(self.name, hashes))
 
+    # -- LoRA adapter slots ----------------------------------------------------------------------
+    def affinity(self, adapter: str) -> float:
+        """The gateway's adapter affinity for this replica (cache.scorers.adapter_affinity)."""
+        return adapter_affinity(adapter in self.adapters, len(self.adapters), self.model.max_loras)
+
+    def _adapter_ready(self, adapter: str) -> float | None:
+        """When `adapter` is loaded here: now if resident, else after a load (queued behind this
+        replica's other loads) that unloads the least recently used adapter without requests
+        here when every slot is taken; None if each slot's adapter has requests here."""
+        if adapter in self.adapters:
+            self.adapters.move_to_end(adapter)
+            return max(self.sim.now, self._loaded_at.get(adapter, 0.0))  # a load in progress is waited for
+        unload_s = 0.0
+        if len(self.adapters) >= self.model.max_loras:
+            victim = next((a for a in self.adapters if not self.adapter_requests[a]), None)
+            if victim is None:
+                return None
+            del self.adapters[victim]
+            self._loaded_at.pop(victim, None)
+            self.unloads += 1
+            unload_s = self.model.lora_unload_s
+        self.adapters[adapter] = None
+        self.loads += 1
+        self._loader_free_at = max(self.sim.now, self._loader_free_at) + unload_s + self.model.lora_load_s
+        self._loaded_at[adapter] = self._loader_free_at
+        return self._loader_free_at
+
+    def _admit_adapter_request(self, req: SimRequest) -> bool:
+        """Queue `req` once its adapter is loaded; False if no slot can take the adapter yet."""
+        ready = self._adapter_ready(req.adapter)
+        if ready is None:
+            return False
+        if ready > self.sim.now:
+            self.sim.schedule(ready, self._enqueue, req)
+        else:
+            self.waiting.append(req)
+        return True
+
+    def _adapter_released(self, req: SimRequest) -> None:
+        """`req` is over: its adapter's slot may be emptied, so requests waiting for one try again."""
+        self.adapter_requests[req.adapter] -= 1
+        if self._no_slot and not self.adapter_requests[req.adapter]:
+            waiting, self._no_slot = self._no_slot, []
+            self._no_slot = [r for r in waiting if not self._admit_adapter_request(r)]
+
     # -- engine loop -----------------------------------------------------------------------------
     def submit(self, req: SimRequest) -> None:
         self.inflight += 1
+        if req.adapter is not None:
+            self.adapter_requests[req.adapter] += 1
+            ready = self._adapter_ready(req.adapter)
+            if ready is None:
+                self._no_slot.append(req)
+                return
+            if ready > self.sim.now:
+                self.sim.schedule(ready, self._enqueue, req)
+                return
+        self._enqueue(req)
+
+    def _enqueue(self, req: SimRequest) -> None:
         self.waiting.append(req)
         if not self.busy:
             self._next_step()
@@ -319,6 +396,8 @@ class SimReplica:
                 r.finish = now
                 self.cache.release(r)
                 self.inflight -= 1
+                if r.adapter is not None:
+                    self._adapter_released(r)
                 self.served += 1
                 if r.done_cb is not None:
                     r.done_cb(r, now)
@@ -447,10 +526,16 @@ class FleetSimulator:
     def _dispatch(self, session: Any, turn: int, messages: list[dict[str, str]], max_tokens: int,
                   on_done: Callable[[SimRequest, float], None]) -> None:
         tokens = self.prompts.encode(messages)
-        hashes = self.hasher.hashes(tokens)
-        req = SimRequest(next(self._ids), session.id, turn, tokens, hashes, max_tokens, self.now)
+        adapter = session.adapter
+        # As vLLM, an adapter's blocks are hashed with its name and path: cached per adapter.
+        hashes = self.hasher.hashes(tokens, extra_keys=lora_extra_keys(adapter, f"/adapters/{adapter}")
+                                    if adapter is not None else None)
+        req = SimRequest(next(self._ids), session.id, turn, tokens, hashes, max_tokens, self.now, adapter)
         req.oracle_blocks = self._oracle.observe(hashes, len(tokens))
         route = RouteRequest(block_hashes=hashes, session_id=session.id if self.config.session_ids else None)
+        if adapter is not None and self.router.scores_adapters:
+            # As the gateway, for a policy that weighs it: every replica may load the adapter.
+            route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
         decision = self.router.pick(route, self.replicas)
         req.predicted = decision.predicted_cached_tokens
         if self.config.observe_delay_s > 0:
@@ -490,6 +575,9 @@ class FleetSimulator:
             busy_max_over_mean=max(busy) / busy_mean if busy_mean else 1.0,
             predicted_cached_tokens=sum(r.predicted for r in done),
             evicted_blocks=sum(r.cache.evicted for r in self.replicas),
+            adapter_requests=sum(r.adapter is not None for r in done),
+            loads_per_1k=1000.0 * sum(r.loads for r in self.replicas) / len(done) if done else 0.0,
+            unloads_per_1k=1000.0 * sum(r.unloads for r in self.replicas) / len(done) if done else 0.0,
         )
 
 

@@ -20,6 +20,7 @@ from .summary import Summary, summarize
 from .target import Target
 from .wire import WIRES, Wire, WireUsage
 from .workload import (
+    AdapterWorkload,
     AgentSessionWorkload,
     AgentToolsWorkload,
     CodeEditWorkload,
@@ -34,7 +35,7 @@ from .workload import (
 )
 
 __all__ = [
-    "AgentSessionWorkload", "AgentToolsWorkload", "Bounds", "CacheSalt", "CodeEditWorkload", "ConcurrencyLoad", "Distribution",
+    "AdapterWorkload", "AgentSessionWorkload", "AgentToolsWorkload", "Bounds", "CacheSalt", "CodeEditWorkload", "ConcurrencyLoad", "Distribution",
     "EngineDelta", "EngineMetricsError", "Load", "LoadTestConfig", "OpenAIClient", "Outcome", "PoissonLoad", "Price", "PriceTable",
     "RandomLengthWorkload", "ReplayLoad", "RequestRecord", "RunResult", "Runner", "SSEDecoder", "SSEEvent",
     "Session", "SharedPrefixWorkload", "Summary", "SweepLoad", "Target", "ToolCall", "TraceWorkload", "Turn", "WIRES", "Wire", "WireUsage", "Workload",

@@ -24,6 +24,7 @@ from .report import print_summary, write_outputs
 from .runner import SLO_KEYS, CacheSalt, run_compare
 from .target import Target
 from .workload import (
+    AdapterWorkload,
     AgentSessionWorkload,
     AgentToolsWorkload,
     CodeEditWorkload,
@@ -38,6 +39,7 @@ app = typer.Typer(add_completion=False, help="Load-test OpenAI-compatible endpoi
 
 class WorkloadKind(str, Enum):
     shared_prefix = "shared-prefix"
+    adapters = "adapters"
     agent = "agent"
     agent_tools = "agent-tools"
     random = "random"
@@ -61,6 +63,7 @@ class LoadKind(str, Enum):
 
 _WORKLOADS: dict[WorkloadKind, type] = {
     WorkloadKind.shared_prefix: SharedPrefixWorkload,
+    WorkloadKind.adapters: AdapterWorkload,
     WorkloadKind.agent: AgentSessionWorkload,
     WorkloadKind.agent_tools: AgentToolsWorkload,
     WorkloadKind.random: RandomLengthWorkload,

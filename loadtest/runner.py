@@ -273,6 +273,8 @@ class Runner:
                 extra["metadata"] = {"user_id": session.id}
             else:
                 extra["user"] = session.id
+            if session.adapter is not None:
+                extra["model"] = session.adapter
             body = self._client.build_body(messages, None, turn.max_tokens, extra, session.tools)
             if self.on_body is not None:
                 self.on_body(session, k, messages)

@@ -68,6 +68,7 @@ class Session(msgspec.Struct, frozen=True):
     group: str = ""  # tenant / category, reported per request
     arrival_s: float | None = None  # trace replay: offset from the start of the run
     tools: list[dict] | None = None  # OpenAI chat function tools, sent unchanged on every turn
+    adapter: str | None = None  # a LoRA adapter its requests name as their model (None: the target's model)
 
 
 class WorkloadError(ValueError):
@@ -169,6 +170,58 @@ class SharedPrefixWorkload(_Base, tag="shared_prefix"):
                         input_tokens_est=self.prefix_tokens + self.user_context_tokens + self.suffix_tokens,
                     )
                 ],
+            )
+            i += 1
+
+
+class AdapterWorkload(_Base, tag="adapters"):
+    """Many LoRA adapters, each a tenant's fine-tune: adapter k belongs to tenant k % tenants and
+    its requests carry that tenant's system prefix. Adapter k (from 1) is picked with weight
+    1 / k**adapter_zipf, a few hot adapters and a long tail; `base_share` of the requests go to the
+    base model with the picked adapter's tenant prefix. Request = prefix + user context + suffix,
+    as SharedPrefixWorkload's; the engine caches an adapter's blocks apart from the base model's.
+    """
+
+    adapters: int = 8
+    tenants: int = 8
+    adapter_zipf: float = 1.0
+    base_share: float = 0.0
+    prefix_tokens: int = 512
+    users_per_tenant: int = 8
+    user_context_tokens: int = 32
+    suffix_tokens: int = 64
+    output_tokens: int = 64
+
+    def sessions(self) -> Iterator[Session]:
+        if self.adapters < 1 or self.tenants < 1 or self.users_per_tenant < 1:
+            raise WorkloadError("adapters, tenants and users_per_tenant must be >= 1")
+        if self.adapter_zipf < 0 or not 0 <= self.base_share <= 1:
+            raise WorkloadError("adapter_zipf must be >= 0 and base_share within [0, 1]")
+        fixed = self._rng("fixed")
+        prefixes = [
+            f"You are the assistant of tenant {t}. " + _text(fixed, self.prefix_tokens, self.words_per_token)
+            for t in range(self.tenants)
+        ]
+        users = [
+            [_text(fixed, self.user_context_tokens, self.words_per_token) for _ in range(self.users_per_tenant)]
+            for _ in range(self.tenants)
+        ]
+        rng = self._rng("stream")
+        cum = list(itertools.accumulate(1.0 / (k + 1) ** self.adapter_zipf for k in range(self.adapters)))
+        i = 0
+        while True:
+            a = rng.choices(range(self.adapters), cum_weights=cum)[0]
+            base = rng.random() < self.base_share
+            t = a % self.tenants
+            u = rng.randrange(self.users_per_tenant)
+            user = f"[user {u}] {users[t][u]}\n" + _text(rng, self.suffix_tokens, self.words_per_token)
+            yield Session(
+                id=f"lora-{i}",
+                system=prefixes[t],
+                group="base" if base else f"adapter-{a}",
+                adapter=None if base else f"adapter-{a}",
+                turns=[Turn(user=user, max_tokens=self.output_tokens,
+                            input_tokens_est=self.prefix_tokens + self.user_context_tokens + self.suffix_tokens)],
             )
             i += 1
 
@@ -442,5 +495,5 @@ class TraceWorkload(_Base, tag="trace"):
         return out
 
 
-Workload = (SharedPrefixWorkload | AgentSessionWorkload | AgentToolsWorkload | RandomLengthWorkload
+Workload = (SharedPrefixWorkload | AdapterWorkload | AgentSessionWorkload | AgentToolsWorkload | RandomLengthWorkload
             | CodeEditWorkload | TraceWorkload)

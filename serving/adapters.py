@@ -27,6 +27,8 @@ from typing import Iterable
 
 import msgspec
 
+from yieldgate.cache.scorers import adapter_affinity
+
 from .adapter_store import Adapter, AdapterStore, AdapterVersion, Canary, LocalStore, Placement
 from .config import LoraConfig
 from .fleet import Fleet, Replica
@@ -245,9 +247,7 @@ class Adapters:
     def affinity(self, route: AdapterRoute, replica: Replica) -> float:
         """1 where the version is resident, 0.5 where a slot is free, 0 where loading it means
         unloading another adapter."""
-        if self.holds(route, replica):
-            return 1.0
-        return 0.5 if len(self._resident(replica)) < self.lora.max_loras else 0.0
+        return adapter_affinity(self.holds(route, replica), len(self._resident(replica)), self.lora.max_loras)
 
     def names(self) -> list[str]:
         return sorted(n for n, a in self.adapters.items() if a.current)

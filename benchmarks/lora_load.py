@@ -1,0 +1,120 @@
+"""How long loading a LoRA adapter takes on a demo engine: the simulator's `lora_load_s`.
+
+    flock /tmp/yg-heavy.lock python benchmarks/lora_load.py [--port 26310] [--adapters 8] [--rounds 3]
+
+Starts the demo fleet's standard-0 engine exactly as `yieldgate up` launches it, LoRA on (the
+fleet's `--enable-lora --max-lora-rank 8 --max-loras 2`), and for each of `--adapters` seeded random
+rank-8 adapters, `--rounds` times: POST /v1/load_lora_adapter (timed), one 1-token completion for
+it (its first request: the adapter enters a slot), a second one (warm), POST
+/v1/unload_lora_adapter (timed). A 1-token base-model completion before each load is the
+reference. Writes benchmarks/results/lora_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def timed_post(url: str, path: str, body: dict) -> float:
+    t = time.perf_counter()
+    httpx.post(url + path, json=body, timeout=120).raise_for_status()
+    return time.perf_counter() - t
+
+
+def one_token(url: str, model: str) -> float:
+    return timed_post(url, "/v1/completions", {"model": model, "prompt": "once upon a time", "max_tokens": 1,
+                                               "temperature": 0})
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def measure(url: str, adapters: list[Path], rounds: int) -> list[dict]:
+    one_token(url, "demo")  # warm-up
+    rows = []
+    for k in range(rounds):
+        for i, path in enumerate(adapters):
+            name = f"bench-{i}"
+            row = {"round": k, "adapter": name, "base_request_s": one_token(url, "demo"),
+                   "load_s": timed_post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})}
+            row["first_request_s"] = one_token(url, name)
+            row["warm_request_s"] = one_token(url, name)
+            row["unload_s"] = timed_post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+            rows.append({key: round(v, 4) if isinstance(v, float) else v for key, v in row.items()})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--port", type=int, default=26310)
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(RESULTS / "lora_load.json"))
+    args = ap.parse_args()
+    from yieldgate.serving.config import FleetConfig, LoraConfig
+    from yieldgate.serving.demo_model import ensure_demo_model
+    from yieldgate.serving.launcher import answers_health, engine_command, engine_env
+    from yieldgate.serving.peft import random_adapter
+
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp)
+        os.environ["YIELDGATE_HOME"] = str(home)  # the engine's KV-event socket goes here
+        model = ensure_demo_model()
+        adapters = [random_adapter(model, home / f"adapter-{i}", seed=i + 1) for i in range(args.adapters)]
+        replica = FleetConfig(demo_base_port=args.port).replicas[0]  # standard-0
+        spec = LoraConfig(enabled=True)
+        log = open(home / "engine.log", "ab")
+        proc = subprocess.Popen(engine_command(str(model), "demo", 32, replica, spec), env=engine_env(replica, spec),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while not answers_health(replica.base_url, 1.0):
+                if proc.poll() is not None:
+                    raise SystemExit(f"engine exited {proc.returncode}: {(home / 'engine.log').read_text()[-2000:]}")
+                time.sleep(0.25)
+            rows = measure(replica.base_url, adapters, args.rounds)
+        finally:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+
+    def col(key: str) -> list[float]:
+        return [r[key] for r in rows]
+
+    summary = {key: {"p50": round(statistics.median(col(key)), 4), "p90": round(pct(col(key), 90), 4)}
+               for key in ("load_s", "unload_s", "first_request_s", "warm_request_s", "base_request_s")}
+    summary["first_minus_warm_request_s_p50"] = round(statistics.median(
+        [r["first_request_s"] - r["warm_request_s"] for r in rows]), 4)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    Path(args.out).write_text(json.dumps({
+        "meta": {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "machine": {"cores": os.cpu_count(), "gpu": None},
+                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+                 "command": "flock /tmp/yg-heavy.lock python benchmarks/lora_load.py " + " ".join(sys.argv[1:])},
+        "engine": "demo standard-0 as launched by `yieldgate up`, LoRA on (max_loras 2, max rank 8); "
+                  "adapters: serving.peft.random_adapter rank 8 on the attention projections",
+        "summary": summary, "runs": rows}, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

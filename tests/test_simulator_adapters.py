@@ -1,0 +1,172 @@
+"""LoRA adapters in the fleet simulator: slots, loads, adapter-keyed prefix blocks, and routing
+that weighs them (cache/simulator.py). No engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from yieldgate.cache.scorers import adapter_affinity
+from yieldgate.cache.simulator import EngineModel, FleetSimulator, PromptBuilder, SimConfig, SimRequest, run_simulation
+from yieldgate.gateway.simulate import demo_tokenizer
+from yieldgate.loadtest import AdapterWorkload, Session, SharedPrefixWorkload, Turn
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return PromptBuilder(demo_tokenizer())
+
+
+def one_replica(max_loras: int = 2, lora_load_s: float = 0.5, lora_unload_s: float = 0.0
+                ) -> tuple[FleetSimulator, object]:
+    """A one-replica fleet without clients: requests are submitted to its replica by hand."""
+    cfg = SimConfig(replicas=1, engine=EngineModel(max_loras=max_loras, lora_load_s=lora_load_s,
+                                                   lora_unload_s=lora_unload_s))
+    fleet = FleetSimulator(cfg, iter(()), prompts=None)
+    return fleet, fleet.replicas[0]
+
+
+def request(rid: int, adapter: str | None, at: float, n_out: int = 1) -> SimRequest:
+    return SimRequest(rid, f"s{rid}", 0, list(range(64)), [], n_out=n_out, arrival=at, adapter=adapter)
+
+
+def submit_all(fleet: FleetSimulator, replica, reqs: list[SimRequest]) -> None:
+    for r in reqs:
+        fleet.schedule(r.arrival, replica.submit, r)
+    fleet.run()
+
+
+def test_a_full_replica_unloads_its_least_recently_used_adapter():
+    fleet, replica = one_replica(max_loras=2)
+    # a, then b, then a again (b is now the least recently used), then c: b goes, a stays.
+    submit_all(fleet, replica, [request(0, "a", 0.0), request(1, "b", 2.0), request(2, "a", 4.0),
+                                request(3, "c", 6.0)])
+    assert list(replica.adapters) == ["a", "c"]
+    assert (replica.loads, replica.unloads) == (3, 1)
+
+
+def test_an_adapter_with_a_request_on_the_replica_is_never_unloaded():
+    fleet, replica = one_replica(max_loras=1, lora_load_s=0.1)
+    long_a, b = request(0, "a", 0.0, n_out=100), request(1, "b", 0.2)
+    submit_all(fleet, replica, [long_a, b])
+    # b waited for a's last request to end before its load could empty a's slot.
+    assert b.first_token >= long_a.finish + 0.1
+    assert (replica.loads, replica.unloads) == (2, 1)
+
+
+def test_a_load_delays_the_first_token_by_the_load_time_and_is_counted():
+    ttft = {}
+    for load_s in (0.0, 0.3):
+        fleet, replica = one_replica(lora_load_s=load_s)
+        first, again = request(0, "a", 0.0), request(1, "a", 5.0)
+        submit_all(fleet, replica, [first, again])
+        ttft[load_s] = [r.first_token - r.arrival for r in (first, again)]
+        assert (replica.loads, replica.unloads) == (1, 0)
+    assert ttft[0.3][0] - ttft[0.0][0] == pytest.approx(0.3)
+    assert ttft[0.3][1] == pytest.approx(ttft[0.0][1])  # resident by then: no load
+
+
+def test_a_load_that_empties_a_slot_also_waits_for_the_unload():
+    fleet, replica = one_replica(max_loras=1, lora_load_s=0.1, lora_unload_s=0.05)
+    a, b = request(0, "a", 0.0), request(1, "b", 2.0)
+    submit_all(fleet, replica, [a, b])
+    assert (b.first_token - b.arrival) - (a.first_token - a.arrival) == pytest.approx(0.05)
+    assert (replica.loads, replica.unloads) == (2, 1)
+
+
+def test_loads_on_one_replica_run_one_at_a_time_and_share_a_load_in_progress():
+    fleet, replica = one_replica(lora_load_s=0.3)
+    a, b, a2 = request(0, "a", 0.0), request(1, "b", 0.0), request(2, "a", 0.1)
+    submit_all(fleet, replica, [a, b, a2])
+    assert b.first_token >= 0.6  # b's load waited for a's
+    assert 0.3 <= a2.first_token < 0.6  # a2 waited for a's load, not a load of its own
+    assert replica.loads == 2
+
+
+def test_affinity_is_the_gateways_resident_then_free_slot_then_must_unload():
+    assert [adapter_affinity(True, 2, 2), adapter_affinity(False, 1, 2), adapter_affinity(False, 2, 2)] == [1, 0.5, 0]
+    fleet, replica = one_replica(max_loras=2)
+    submit_all(fleet, replica, [request(0, "a", 0.0)])
+    assert (replica.affinity("a"), replica.affinity("b")) == (1.0, 0.5)
+    submit_all(fleet, replica, [request(1, "b", fleet.now + 1)])
+    assert replica.affinity("c") == 0.0
+
+
+class Sessions:
+    """Hand-written sessions: one prompt, sent for the base model or an adapter."""
+
+    def __init__(self, adapters: list[str | None]) -> None:
+        system = "You are the assistant of tenant 0. " + "cache token model router engine " * 60
+        self.sessions = [Session(id=f"s{i}", system=system, adapter=a,
+                                 turns=[Turn(user="the same question", max_tokens=4, input_tokens_est=400)])
+                         for i, a in enumerate(adapters)]
+
+    def sessions_iter(self):
+        return iter(self.sessions)
+
+
+def test_adapter_blocks_are_cached_apart_from_the_base_models_and_each_others(prompts):
+    order = [None, "a", "a", None, "b"]
+    cfg = SimConfig(policy="round_robin", replicas=1, requests=len(order), arrival="concurrency", concurrency=1,
+                    engine=EngineModel(kv_capacity_blocks=10**5))
+    fleet = FleetSimulator(cfg, Sessions(order).sessions_iter(), prompts)
+    result = fleet.run()
+    hits = [r.cached_blocks for r in sorted(fleet.done, key=lambda r: r.id)]
+    assert hits[0] == 0 and hits[1] == 0  # the base model's prefix is no hit for adapter a
+    assert hits[2] > 0 and hits[3] > 0  # a's own prefix, and the base model's, are
+    assert hits[4] == 0  # nor is a's for adapter b
+    assert [r.oracle_blocks for r in sorted(fleet.done, key=lambda r: r.id)] == hits  # the oracle keys them alike
+    assert result.adapter_requests == 3
+    assert result.loads_per_1k == pytest.approx(1000 * 2 / 5) and result.unloads_per_1k == 0
+
+
+def adapter_run(policy: str, prompts) -> object:
+    workload = AdapterWorkload(seed=3, adapters=12, tenants=4, prefix_tokens=300, users_per_tenant=4,
+                               suffix_tokens=32, output_tokens=16, words_per_token=0.42)
+    cfg = SimConfig(policy=policy, replicas=4, requests=300, rate=20.0,
+                    engine=EngineModel(kv_capacity_blocks=512, max_loras=2, lora_load_s=0.1))
+    return run_simulation(workload, cfg, prompts=prompts)
+
+
+def test_adapter_aware_loads_fewer_adapters_than_round_robin(prompts):
+    rr, aware = adapter_run("round_robin", prompts), adapter_run("adapter_aware", prompts)
+    assert rr.adapter_requests == aware.adapter_requests == 300
+    assert aware.loads_per_1k < rr.loads_per_1k / 2
+    assert aware.unloads_per_1k < rr.unloads_per_1k
+    assert aware.ratio_to_oracle > rr.ratio_to_oracle
+
+
+def test_base_model_runs_count_no_loads(prompts):
+    workload = SharedPrefixWorkload(tenants=4, prefix_tokens=200, output_tokens=8, words_per_token=0.42)
+    r = run_simulation(workload, SimConfig(policy="adapter_aware", replicas=2, requests=50), prompts=prompts)
+    assert (r.adapter_requests, r.loads_per_1k, r.unloads_per_1k) == (0, 0.0, 0.0)
+
+
+def test_adapter_workload_gives_each_adapter_its_tenants_prefix_and_hot_adapters_most_requests():
+    sessions = AdapterWorkload(seed=1, adapters=30, tenants=10, adapter_zipf=1.0, base_share=0.2).take(2000)
+    by_adapter: dict[str | None, set[str]] = {}
+    for s in sessions:
+        by_adapter.setdefault(s.adapter, set()).add(s.system)
+    assert all(len(systems) == 1 for a, systems in by_adapter.items() if a is not None)
+    assert by_adapter["adapter-0"] == by_adapter["adapter-10"] != by_adapter["adapter-1"]  # 0 and 10: tenant 0
+    counts = {a: sum(s.adapter == a for s in sessions) for a in by_adapter}
+    assert counts["adapter-0"] > counts["adapter-5"] > counts.get("adapter-29", 0)
+    assert 300 < counts[None] < 500  # base_share of the requests name no adapter
+
+
+def test_simulate_cli_compares_adapter_policies_with_loads_per_1000_requests():
+    from yieldgate.gateway.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["simulate", "--replicas", "2", "--tenants", "4", "--adapters", "8", "--max-loras", "2",
+                              "--requests", "120", "--rate", "10", "--agent-share", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    results = {r["policy"]: r for r in json.loads(out.stdout)}
+    assert set(results) == {"round_robin", "least_loaded", "cache_aware", "adapter_aware"}
+    assert all(r["adapter_requests"] == 120 for r in results.values())
+    assert results["adapter_aware"]["loads_per_1k"] < results["round_robin"]["loads_per_1k"]
+    table = runner.invoke(app, ["simulate", "--replicas", "2", "--adapters", "8", "--requests", "40",
+                                "--policies", "adapter_aware"])
+    assert table.exit_code == 0 and "loads/1k" in table.stdout and "adapter_aware" in table.stdout
