@@ -218,6 +218,20 @@ def agent_parity() -> str:
     return f"{n}/{n} requests identical to vLLM's `/tokenize` (asserted)"
 
 
+def adapter_routing_sim() -> str:
+    rows = load("adapter_routing_sim")["summary"]
+
+    def loads(regime: str, policy: str) -> str:
+        return span([r["loads_per_1k"] for r in rows if r["regime"] == regime and r["policy"] == policy],
+                    lambda v: f"{v:.0f}")
+
+    oracle = [r["ratio_to_oracle"] for r in rows if r["regime"] == "fleet" and r["policy"] == "adapter_aware"]
+    return (f"adapter loads per 1,000 requests: adapter_aware {loads('fleet', 'adapter_aware')} vs cache_aware "
+            f"{loads('fleet', 'cache_aware')} vs round robin {loads('fleet', 'round_robin')}; cached tokens "
+            f"{span(oracle, pct)} of oracle; 2 × 8 × 2 (demo engines): {loads('demo', 'adapter_aware')} vs "
+            f"{loads('demo', 'cache_aware')} vs {loads('demo', 'round_robin')}")
+
+
 def agent_routing() -> str:
     runs = load("agent_routing")["runs"]
     by = {(r["api"], r["policy"]): r for r in runs}
@@ -296,6 +310,11 @@ BENCHMARKS = [
                      "--policies", "round_robin,consistent_hash,cache_aware",
                      "--out", str(SCRATCH / "routing-zipf64")],
               files=["routing-zipf64"]),
+    Benchmark("adapter_routing_sim", "LoRA adapter routing, simulated 64 replicas × 300 adapters × 4 slots",
+              "fewest loads", "`python benchmarks/adapter_routing.py --sim`", adapter_routing_sim,
+              run=["benchmarks/adapter_routing.py", "--sim"],
+              quick=["benchmarks/adapter_routing.py", "--sim", "--quick", "--out", str(SCRATCH / "adapter_routing_sim")],
+              files=["adapter_routing_sim"]),
     Benchmark("loadtest_vs_vllm_bench", "load tester vs `vllm bench serve`", "within 10%",
               "`python benchmarks/loadtest_vs_vllm_bench.py`", loadtest_vs_vllm,
               files=["loadtest_vs_vllm_bench"]),
