@@ -399,14 +399,14 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
     lock = threading.Lock()
     # Start times of the streams being read from the replica about to be killed. A stream whose
     # client is still reading may already be finished at the engine (the rest sits in socket
-    # buffers), so the kill waits for one that started recently: less than 2 s ago and less than
-    # 0.3x the time the engine takes for 4000 tokens alone (on a fast machine it generates all 4000
-    # tokens of the only stream there in under 2 s while the client still reads: nothing is cut).
+    # buffers), so the kill waits for one that started recently: less than 0.3x the time the engine
+    # takes for 4000 tokens alone (on a fast machine it generates all 4000 tokens of the only stream
+    # there in under 2 s while the client still reads: nothing is cut; under load it only gets slower).
     live_on_victim: dict[tuple[int, int], float] = {}
     timed = time.monotonic()
     httpx.post(chaos_engine.url + "/v1/completions", timeout=300, json={
         "model": "demo", "prompt": "how long", "max_tokens": 4000, "ignore_eos": True}).raise_for_status()
-    recent_s = min(2.0, 0.3 * (time.monotonic() - timed))  # under load the engine only gets slower
+    recent_s = 0.3 * (time.monotonic() - timed)
 
     def unary_worker(i: int) -> None:
         # As long as the gateway waits for an engine (upstream_read_timeout_s): on a loaded 2-core

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -168,7 +169,10 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
     # Requests were answered while the push ran, by both versions: one tier's replica was on the
     # new weights while the other still served the old ones.
     during = [s for s in seen if window[0] <= s[0] <= window[1]]
-    assert {s[2] for s in during} == {"base", NEW}, {s[2] for s in during}
+    assert {s[2] for s in during} == {"base", NEW}, (
+        f"push {window[1] - window[0]:.1f} s; answers during it by (replica, version): "
+        f"{Counter((s[1], s[2]) for s in during)}; first {NEW} answer "
+        f"{min((s[0] for s in seen if s[2] == NEW), default=float('nan')) - window[1]:+.1f} s after the push")
     # The label is the truth: each response's text is that of the weights it names.
     expected = {"base": base_text, NEW: snapshot_texts(stack)}
     assert expected[NEW] != base_text
