@@ -4,10 +4,10 @@
 
 A loadtest `run_load` (closed loop, `--concurrency` workers, completions on `--model`, the base
 model "demo" or an adapter's name) plus two version probes (`<model>`, `<model>:fast`: a 4-token
-greedy completion every 50 ms each, recording the weight-version and replica headers). It runs until its stdin closes (the parent's "stop"),
-then writes nothing more and exits. Every finished request is one JSON line in `--out`:
-{"kind": "load", "end", "ok", "error"} or {"kind": "probe", "t", "end", "model", "status",
-"version", "replica"[, "error"]} (unix seconds).
+greedy completion every 50 ms each, recording the weight-version and replica headers). It runs
+until its stdin closes (the parent's "stop"), then writes nothing more and exits. Every finished
+request is one JSON line in `--out`: {"kind": "load", "end", "ok", "error"} or {"kind": "probe",
+"t", "end", "model", "status", "version", "replica"[, "error"]} (unix seconds).
 
 Why a separate process: in the benchmark's own process the load shared a GIL with the trainer's
 push, so the timed push also measured how busy the load generator kept the interpreter.
