@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -95,7 +96,19 @@ def wait_slot_free(admin: httpx.Client, version: str, timeout_s: float = 60.0) -
 
 def measure(args: argparse.Namespace, gw: str, token: str) -> dict:
     admin = httpx.Client(base_url=gw, timeout=300, headers={"Authorization": f"Bearer {token}"})
+    # The adapter registry lives in the shared Redis, so it outlives the stack: start and end clean.
+    admin.delete(f"/admin/adapters/{ADAPTER}")
+    try:
+        return push_rounds(args, gw, token, admin)
+    finally:
+        admin.delete(f"/admin/adapters/{ADAPTER}")
+
+
+def push_rounds(args: argparse.Namespace, gw: str, token: str, admin: httpx.Client) -> dict:
     model = model_dir(False)
+    # Adapter versions of this run only (engines name a loaded adapter by name and version).
+    tag = secrets.token_hex(2)
+    adapter_version = {i: f"{tag}.v{i}" for i in range(-1, args.rounds + 1)}
     scratch = Path(tempfile.mkdtemp(prefix="yg-adapter-push-"))
     adapters = {i: load_file(str(random_adapter(model, scratch / f"v{i}", seed=100 + i) / "adapter_model.safetensors"))
                 for i in range(args.rounds + 1)}
@@ -106,7 +119,7 @@ def measure(args: argparse.Namespace, gw: str, token: str) -> dict:
 
     # Untimed set-up of each path: the adapter's first version, and the engines' staging memory
     # (a direct push of the launch weights under the engines' own name for them: no label changes).
-    push_adapter(adapters[0], name=ADAPTER, version="v0", gateway=gw, token=token)
+    push_adapter(adapters[0], name=ADAPTER, version=adapter_version[0], gateway=gw, token=token)
     direct = admin.get("/admin/weight_targets", params={"direct": 1}).json()
     dtype = EngineClient(direct["engines"][0]).model_dtype()
     if dtype is None:
@@ -119,8 +132,8 @@ def measure(args: argparse.Namespace, gw: str, token: str) -> dict:
             records = scratch / f"{r}-{kind}.jsonl"
             if kind == "adapter":
                 old_version = adapter_current(admin)["current"]
-                wait_slot_free(admin, f"v{r - 2}")
-                old, new, model_name = f"{ADAPTER}@{old_version}", f"{ADAPTER}@v{r}", ADAPTER
+                wait_slot_free(admin, adapter_version[r - 2])
+                old, new, model_name = f"{ADAPTER}@{old_version}", f"{ADAPTER}@{adapter_version[r]}", ADAPTER
             else:
                 version = full_versions[len([x for x in rounds if x["kind"] != "adapter"])]
                 old, new, model_name = served_version(admin), version, "demo"
@@ -129,7 +142,8 @@ def measure(args: argparse.Namespace, gw: str, token: str) -> dict:
                 time.sleep(args.settle_s / 2)
                 start = time.time()
                 if kind == "adapter":
-                    report = push_adapter(adapters[r], name=ADAPTER, version=f"v{r}", gateway=gw, token=token)
+                    report = push_adapter(adapters[r], name=ADAPTER, version=adapter_version[r], gateway=gw,
+                                          token=token)
                     sent = {"bytes_sent": report.bytes, "bytes_note": "one upload to the gateway; the engines "
                             "load the adapter from the gateway's home"}
                 else:
