@@ -1,6 +1,6 @@
 """An adapter push vs a full-weight push of the same base model, each under steady load.
 
-    flock /tmp/yg-heavy.lock python benchmarks/adapter_push.py [--port 21700] [--rounds 3]
+    flock /tmp/yg-heavy.lock python benchmarks/adapter_push.py [--port 21700] [--rounds 5]
 
 Starts the demo stack (benchmarks/rollout.py's `own_stack`: `yieldgate up` on loopback, both
 engines with LoRA on) and runs `--rounds` rounds of, in turn:
@@ -12,14 +12,16 @@ engines with LoRA on) and runs `--rounds` rounds of, in turn:
     streams a perturbed copy of the whole base model through the gateway in that mode.
 Each push has a load process of its own, started before and stopped after it. Per push:
 seconds from the push call's start to the first response naming the new version and to 100% on
-it (the later of the push call's return, which the gateway answers once every replica serves
-the new version, and the end of the last response naming the old one); bytes the trainer sent;
-failed requests (load and probes); responses naming a version they could not have come from (a
-version other than the old and the new one, the old one on a request sent after the push
-returned, or the old one on a replica after a response naming the new one had ended there).
+it (the latest of the push call's return, which the gateway answers once every replica serves
+the new version, the end of the last response naming the old one and the first response naming
+the new one); bytes the trainer sent; failed requests (load and probes); responses naming a
+version they could not have come from (a version other than the old and the new one, the old one
+on a request sent after the push returned, or the old one on a replica after a response naming
+the new one had ended there).
 An untimed adapter version v0 and an untimed direct push of the launch weights come first (each
 path's one-time set-up: the first LoRA load, the engines' staging memory).
-Writes benchmarks/results/adapter_push.json and .png (medians and interquartile ranges per kind).
+Writes benchmarks/results/adapter_push.json (medians and interquartile ranges per kind, every
+round with its probe responses) and .png.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def switch(probes: list[dict], load: list[dict], start: float, end: float, old: 
         q["replica"] == p["replica"] and q["version"] == new and q["end"] < p["t"] for q in ok)]
     return {
         "first_new_response_s": first_new - start if first_new is not None else None,
-        "time_to_100pct_new_s": max(end, last_old) - start,
+        # 100% is seen by clients: every request sent now goes to the new version, no response
+        # naming the old one is still to come, and one naming the new one has arrived.
+        "time_to_100pct_new_s": max(end, last_old, first_new or end) - start,
         "push_seconds": end - start,
         "requests_load": len(load), "failed_load": sum(not r["ok"] for r in load),
         "failed_load_errors": sorted({str(r["error"]) for r in load if not r["ok"]}),
@@ -69,6 +73,8 @@ def switch(probes: list[dict], load: list[dict], start: float, end: float, old: 
         "responses_with_impossible_version": len(unknown) + len({id(p) for p in stale + regressions}),
         "impossible": {"unknown_version": len(unknown), "old_after_push_returned": len(stale),
                        "old_after_new_on_replica": len(regressions)},
+        "probes": [[round(p["t"] - start, 3), round(p["end"] - start, 3), p["status"],
+                    {old: "old", new: "new"}.get(p["version"], p["version"]), p["replica"]] for p in probes],
     }
 
 
@@ -183,27 +189,41 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def plot(doc: dict, path: Path) -> None:
+    """Left: per kind, the medians (bars) and rounds (dots) of the two times. Right: every probe
+    response around each push, old version grey, new green, failed red; black: the push returned."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = doc["kinds"]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, (bars, timeline) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
     for i, kind in enumerate(kinds):
         runs = [r for r in doc["rounds"] if r["kind"] == kind]
         for offset, key, color in ((-0.18, "first_new_response_s", "tab:blue"),
                                    (0.18, "time_to_100pct_new_s", "tab:green")):
             values = [r[key] for r in runs if r[key] is not None]
-            ax.bar(i + offset, statistics.median(values), width=0.34, color=color, alpha=0.5,
-                   label=("first response on new" if key.startswith("first") else "100% on new") if i == 0 else None)
-            ax.scatter([i + offset] * len(values), values, color=color, s=14, zorder=3)
-    labels = [f"{k.replace('_', ' ')}\n{v['bytes_sent'] / 1e6:.2f} MB sent, {v['failed']} failed"
+            bars.bar(i + offset, statistics.median(values), width=0.34, color=color, alpha=0.5,
+                     label=("first response on new" if key.startswith("first") else "100% on new") if i == 0 else None)
+            bars.scatter([i + offset] * len(values), values, color=color, s=14, zorder=3)
+    labels = [f"{k.replace('_', ' ')}\n{v['bytes_sent'] / 1e6:.2f} MB sent\n{v['failed']} failed of {v['requests']}"
               for k, v in kinds.items()]
-    ax.set_xticks(range(len(kinds)), labels, fontsize=8)
-    ax.set_ylabel("seconds from the push call's start")
-    ax.set_title(f"Adapter push vs full-weight push of the demo model under load (conc. {doc['concurrency']}): "
-                 f"medians (bars) of {doc['rounds_per_kind']} rounds (dots)", fontsize=8)
-    ax.legend(fontsize=8)
+    bars.set_xticks(range(len(kinds)), labels, fontsize=8)
+    bars.set_ylabel("seconds from the push call's start")
+    bars.set_title(f"medians (bars) of {doc['rounds_per_kind']} rounds (dots), load conc. {doc['concurrency']}",
+                   fontsize=8)
+    bars.legend(fontsize=8)
+    ordered = sorted(doc["rounds"], key=lambda r: (list(kinds).index(r["kind"]), r["round"]))
+    colors = {"old": "grey", "new": "tab:green"}
+    for y, r in enumerate(ordered):
+        for _, end, status, version, _ in r["probes"]:
+            if -1.0 <= end <= 4.0:
+                timeline.scatter(end, y, s=9, color=colors.get(version, "red") if status == 200 else "red")
+        timeline.plot([r["push_seconds"]] * 2, [y - 0.4, y + 0.4], color="black", lw=1)
+    timeline.axvline(0, color="black", lw=0.6, ls=":")
+    timeline.set_yticks(range(len(ordered)), [f"{r['kind'].replace('_', ' ')} #{r['round']}" for r in ordered],
+                        fontsize=7)
+    timeline.set_xlabel("probe response end, seconds from the push call's start (grey old, green new)")
+    fig.suptitle("Adapter push vs full-weight push of the demo model under load", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -211,7 +231,7 @@ def plot(doc: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=21700, help="gateway port; engines port+101, +102")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds: each pushes the adapter, then full weights per mode")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds: each pushes the adapter, then full weights per mode")
     ap.add_argument("--modes", default="rolling,all_at_once", help="full-weight push modes, comma-separated")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--settle-s", type=float, default=4.0)
@@ -234,10 +254,12 @@ def main() -> None:
         "dtype": measured["dtype"],
         "concurrency": args.concurrency,
         "rounds_per_kind": args.rounds,
-        "definition": ("time_to_100pct_new_s: push call start -> the later of its return (the gateway answers "
-                       "once every replica serves the new version) and the end of the last probe response "
-                       "naming the old version; first_new_response_s: -> the end of the first probe response "
-                       "naming the new one; failed: load and probe requests of the push's load process"),
+        "definition": ("time_to_100pct_new_s: push call start -> the latest of its return (the gateway answers "
+                       "once every replica serves the new version), the end of the last probe response "
+                       "naming the old version and the end of the first naming the new one; "
+                       "first_new_response_s: -> the end of the first probe response naming the new version; "
+                       "failed: load and probe requests of the push's load process"),
+        "probe_columns": ["sent_s", "end_s", "status", "version (old, new or as named)", "replica"],
         "kinds": summarize(rounds),
         "requests": sum(r["requests_load"] + r["requests_probe"] for r in rounds),
         "failed": sum(r["failed_load"] + r["failed_probe"] for r in rounds),
