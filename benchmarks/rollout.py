@@ -109,12 +109,14 @@ def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tenso
 
 
 @contextmanager
-def load_process(gateway: str, concurrency: int, out: Path):
-    """benchmarks/rollout_load.py in its own process, from here until the block ends (then it
-    finishes its current load slice and exits); its records are in `out` afterwards."""
+def load_process(gateway: str, concurrency: int, out: Path, model: str = "demo", chunk_s: float = 10.0):
+    """benchmarks/rollout_load.py in its own process, on `model` (the base model or an adapter),
+    from here until the block ends (then it finishes its current load slice, at most `chunk_s`,
+    and exits); its records are in `out` afterwards."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rollout_load.py")),
-                             "--gateway", gateway, "--out", str(out), "--concurrency", str(concurrency)],
+                             "--gateway", gateway, "--out", str(out), "--concurrency", str(concurrency),
+                             "--model", model, "--chunk-s", str(chunk_s)],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE)
     try:
         yield proc

@@ -1,13 +1,13 @@
 """The steady load of benchmarks/rollout.py, in a process of its own.
 
-    python benchmarks/rollout_load.py --gateway URL --out FILE [--concurrency 4] [--chunk-s 10]
+    python benchmarks/rollout_load.py --gateway URL --out FILE [--concurrency 4] [--chunk-s 10] [--model demo]
 
-A loadtest `run_load` (closed loop, `--concurrency` workers, completions on model "demo") plus
-two version probes ("demo", "demo:fast": a 4-token greedy completion every 50 ms each, recording
-the weight-version and replica headers). It runs until its stdin closes (the parent's "stop"),
-then writes nothing more and exits. Every finished request is one JSON line in `--out`:
-{"kind": "load", "end", "ok", "error"} or {"kind": "probe", "t", "end", "model", "status",
-"version", "replica"[, "error"]} (unix seconds).
+A loadtest `run_load` (closed loop, `--concurrency` workers, completions on `--model`, the base
+model "demo" or an adapter's name) plus two version probes (`<model>`, `<model>:fast`: a 4-token
+greedy completion every 50 ms each, recording the weight-version and replica headers). It runs
+until its stdin closes (the parent's "stop"), then writes nothing more and exits. Every finished
+request is one JSON line in `--out`: {"kind": "load", "end", "ok", "error"} or {"kind": "probe",
+"t", "end", "model", "status", "version", "replica"[, "error"]} (unix seconds).
 
 Why a separate process: in the benchmark's own process the load shared a GIL with the trainer's
 push, so the timed push also measured how busy the load generator kept the interpreter.
@@ -60,12 +60,13 @@ def probe(gateway: str, model: str, stop: threading.Event, out: JsonLines) -> No
             time.sleep(0.05)
 
 
-def steady_load(gateway: str, concurrency: int, chunk_s: float, stop: threading.Event, out: JsonLines) -> None:
+def steady_load(gateway: str, model: str, concurrency: int, chunk_s: float, stop: threading.Event,
+                out: JsonLines) -> None:
     def record(rec: RequestRecord) -> None:
         out.write({"kind": "load", "end": time.time(), "ok": rec.ok, "error": rec.error})
 
     while not stop.is_set():
-        run_load(Target(base_url=gateway, model="demo", api="completions"),
+        run_load(Target(base_url=gateway, model=model, api="completions"),
                  RandomLengthWorkload(input_tokens=64, output_tokens=16), ConcurrencyLoad(concurrency=concurrency),
                  Bounds(requests=None, duration_s=chunk_s), on_record=record)
 
@@ -76,15 +77,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--chunk-s", type=float, default=10.0)
+    ap.add_argument("--model", default="demo", help="the base model or an adapter's name")
     args = ap.parse_args()
     gw = args.gateway.rstrip("/")
     stop = threading.Event()
     with open(args.out, "w") as f:
         out = JsonLines(f)
         workers = [threading.Thread(target=probe, args=(gw, m, stop, out), daemon=True)
-                   for m in ("demo", "demo:fast")]
-        workers.append(threading.Thread(target=steady_load, args=(gw, args.concurrency, args.chunk_s, stop, out),
-                                        daemon=True))
+                   for m in (args.model, args.model + ":fast")]
+        workers.append(threading.Thread(target=steady_load, args=(gw, args.model, args.concurrency, args.chunk_s,
+                                                                  stop, out), daemon=True))
         for w in workers:
             w.start()
         sys.stdin.read()  # until the parent closes our stdin (or exits)

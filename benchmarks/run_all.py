@@ -156,6 +156,18 @@ def rollout() -> str:
             f"{tiny[2] + big[2]} failed requests of {tiny[3] + big[3]:,}")
 
 
+def adapter_push() -> str:
+    d = load("adapter_push")
+    k = d["kinds"]
+    to_new = {kind: v["time_to_100pct_new"]["median"] for kind, v in k.items()}
+    failed, wrong = d["failed"], d["responses_with_impossible_version"]
+    return (f"adapter push → 100% on new version {to_new['adapter']:.2f} s vs full-weight push "
+            f"{to_new['full_rolling']:.2f} s (rolling) / {to_new['full_all_at_once']:.2f} s (all at once); "
+            f"{k['adapter']['bytes_sent'] / 1e3:.0f} kB vs {k['full_rolling']['bytes_sent'] / 1e6:.1f} MB sent; "
+            f"{bold(f'{failed} failed', failed == 0)} of {d['requests']:,}, "
+            f"{bold(f'{wrong} mislabelled', wrong == 0)}")
+
+
 def engine_hops() -> str:
     busy = [p for p in load("engine_hops")["phases"] if p["other_engine_concurrency"] > 0]
     hop = [p["worker_hop"] for p in busy]
@@ -334,6 +346,12 @@ BENCHMARKS = [
     Benchmark("rollout", "weight rollout under load, time to 100% new / raw transfer", "< 2×; 0 failed",
               "`python benchmarks/rollout.py --up [--big]`", rollout,
               run=["benchmarks/rollout.py", "--up"], files=["rollout", "rollout-big"]),
+    Benchmark("adapter_push",
+              "adapter push under load vs full-weight push of the same base model, push → 100% on the new version",
+              "0 failed; none mislabelled", "`python benchmarks/adapter_push.py`", adapter_push,
+              run=["benchmarks/adapter_push.py"],
+              quick=["benchmarks/adapter_push.py", "--rounds", "1", "--out", str(SCRATCH / "adapter_push")],
+              files=["adapter_push"]),
     Benchmark("engine_hops", "engine round trip while the other engine serves", "—",
               "`python benchmarks/engine_hops.py`", engine_hops, run=["benchmarks/engine_hops.py"],
               files=["engine_hops"]),
