@@ -214,9 +214,10 @@ def plot(doc: dict, path: Path) -> None:
     bars.legend(fontsize=8)
     ordered = sorted(doc["rounds"], key=lambda r: (list(kinds).index(r["kind"]), r["round"]))
     colors = {"old": "grey", "new": "tab:green"}
+    window = max(r["time_to_100pct_new_s"] for r in ordered) + 1.0
     for y, r in enumerate(ordered):
         for _, end, status, version, _ in r["probes"]:
-            if -1.0 <= end <= 4.0:
+            if -1.0 <= end <= window:
                 timeline.scatter(end, y, s=9, color=colors.get(version, "red") if status == 200 else "red")
         timeline.plot([r["push_seconds"]] * 2, [y - 0.4, y + 0.4], color="black", lw=1)
     timeline.axvline(0, color="black", lw=0.6, ls=":")

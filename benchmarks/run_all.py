@@ -347,7 +347,7 @@ BENCHMARKS = [
               "`python benchmarks/rollout.py --up [--big]`", rollout,
               run=["benchmarks/rollout.py", "--up"], files=["rollout", "rollout-big"]),
     Benchmark("adapter_push",
-              "adapter push under load vs full-weight push of the same base model, push → 100% on the new version",
+              "LoRA adapter push under load vs full-weight push of the same base model",
               "0 failed; none mislabelled", "`python benchmarks/adapter_push.py`", adapter_push,
               run=["benchmarks/adapter_push.py"],
               quick=["benchmarks/adapter_push.py", "--rounds", "1", "--out", str(SCRATCH / "adapter_push")],
