@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -45,7 +47,10 @@ def decode_rate(url: str, model: str, concurrency: int, requests: int = 8) -> fl
         return statistics.mean(pool.map(one, range(requests)))
 
 
-def run_once(port: int, lora: bool, adapter: Path, home: Path) -> dict:
+@contextmanager
+def demo_engine(port: int, lora: bool, log_path: Path) -> Iterator[str]:
+    """The demo fleet's standard-0 engine as `yieldgate up` launches it (LoRA on or off) on `port`,
+    healthy; its URL. Stopped (its whole process group) on the way out."""
     from yieldgate.serving.config import FleetConfig, LoraConfig
     from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.launcher import answers_health, engine_command, engine_env
@@ -53,18 +58,28 @@ def run_once(port: int, lora: bool, adapter: Path, home: Path) -> dict:
     fleet = FleetConfig(demo_base_port=port)
     replica = fleet.replicas[0]  # standard-0
     spec = LoraConfig(enabled=lora)
-    model = str(ensure_demo_model())
-    log = open(home / f"engine-lora-{lora}.log", "ab")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(engine_command(model, "demo", fleet.block_size, replica, spec),
-                            env=engine_env(replica, spec), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = replica.base_url
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(engine_command(str(ensure_demo_model()), "demo", fleet.block_size, replica, spec),
+                                env=engine_env(replica, spec), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        while not answers_health(url, 1.0):
+        while not answers_health(replica.base_url, 1.0):
             if proc.poll() is not None:
-                raise SystemExit(f"engine exited {proc.returncode}; see {log.name}")
+                raise SystemExit(f"engine exited {proc.returncode}: {log_path.read_text()[-2000:]}")
             time.sleep(0.25)
+        yield replica.base_url
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def run_once(port: int, lora: bool, adapter: Path, home: Path) -> dict:
+    t0 = time.perf_counter()
+    with demo_engine(port, lora, home / f"engine-lora-{lora}.log") as url:
         row: dict = {"lora": lora, "startup_s": round(time.perf_counter() - t0, 1)}
         row["base_tok_s_c1"] = round(decode_rate(url, "demo", 1), 1)
         row["base_tok_s_c4"] = round(decode_rate(url, "demo", 4), 1)
@@ -76,13 +91,6 @@ def run_once(port: int, lora: bool, adapter: Path, home: Path) -> dict:
         row["load_avg_1m"] = round(os.getloadavg()[0], 2)
         print(row, flush=True)
         return row
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 def main() -> None:

@@ -68,9 +68,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "lora_load.json"))
     args = ap.parse_args()
-    from yieldgate.serving.config import FleetConfig, LoraConfig
+    from lora_engine import demo_engine
     from yieldgate.serving.demo_model import ensure_demo_model
-    from yieldgate.serving.launcher import answers_health, engine_command, engine_env
     from yieldgate.serving.peft import random_adapter
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,24 +77,8 @@ def main() -> None:
         os.environ["YIELDGATE_HOME"] = str(home)  # the engine's KV-event socket goes here
         model = ensure_demo_model()
         adapters = [random_adapter(model, home / f"adapter-{i}", seed=i + 1) for i in range(args.adapters)]
-        replica = FleetConfig(demo_base_port=args.port).replicas[0]  # standard-0
-        spec = LoraConfig(enabled=True)
-        log = open(home / "engine.log", "ab")
-        proc = subprocess.Popen(engine_command(str(model), "demo", 32, replica, spec), env=engine_env(replica, spec),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while not answers_health(replica.base_url, 1.0):
-                if proc.poll() is not None:
-                    raise SystemExit(f"engine exited {proc.returncode}: {(home / 'engine.log').read_text()[-2000:]}")
-                time.sleep(0.25)
-            rows = measure(replica.base_url, adapters, args.rounds)
-        finally:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+        with demo_engine(args.port, True, home / "engine.log") as url:
+            rows = measure(url, adapters, args.rounds)
 
     def col(key: str) -> list[float]:
         return [r[key] for r in rows]

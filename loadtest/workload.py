@@ -139,15 +139,8 @@ class SharedPrefixWorkload(_Base, tag="shared_prefix"):
             raise WorkloadError("tenants and users_per_tenant must be >= 1")
         if self.tenant_zipf < 0:
             raise WorkloadError("tenant_zipf must be >= 0")
-        fixed = self._rng("fixed")
-        prefixes = [
-            f"You are the assistant of tenant {t}. " + _text(fixed, self.prefix_tokens, self.words_per_token)
-            for t in range(self.tenants)
-        ]
-        users = [
-            [_text(fixed, self.user_context_tokens, self.words_per_token) for _ in range(self.users_per_tenant)]
-            for _ in range(self.tenants)
-        ]
+        prefixes, users = _tenant_texts(self._rng("fixed"), self.tenants, self.prefix_tokens, self.users_per_tenant,
+                                        self.user_context_tokens, self.words_per_token)
         rng = self._rng("stream")
         cum = list(itertools.accumulate(1.0 / (k + 1) ** self.tenant_zipf for k in range(self.tenants)))
         i = 0
@@ -174,6 +167,16 @@ class SharedPrefixWorkload(_Base, tag="shared_prefix"):
             i += 1
 
 
+def _tenant_texts(fixed: random.Random, tenants: int, prefix_tokens: int, users_per_tenant: int,
+                  user_context_tokens: int, words_per_token: float) -> tuple[list[str], list[list[str]]]:
+    """Each tenant's system prefix, and its users' context texts (drawn in this order from `fixed`)."""
+    prefixes = [f"You are the assistant of tenant {t}. " + _text(fixed, prefix_tokens, words_per_token)
+                for t in range(tenants)]
+    users = [[_text(fixed, user_context_tokens, words_per_token) for _ in range(users_per_tenant)]
+             for _ in range(tenants)]
+    return prefixes, users
+
+
 class AdapterWorkload(_Base, tag="adapters"):
     """Many LoRA adapters, each a tenant's fine-tune: adapter k belongs to tenant k % tenants and
     its requests carry that tenant's system prefix. Adapter k (from 1) is picked with weight
@@ -197,15 +200,8 @@ class AdapterWorkload(_Base, tag="adapters"):
             raise WorkloadError("adapters, tenants and users_per_tenant must be >= 1")
         if self.adapter_zipf < 0 or not 0 <= self.base_share <= 1:
             raise WorkloadError("adapter_zipf must be >= 0 and base_share within [0, 1]")
-        fixed = self._rng("fixed")
-        prefixes = [
-            f"You are the assistant of tenant {t}. " + _text(fixed, self.prefix_tokens, self.words_per_token)
-            for t in range(self.tenants)
-        ]
-        users = [
-            [_text(fixed, self.user_context_tokens, self.words_per_token) for _ in range(self.users_per_tenant)]
-            for _ in range(self.tenants)
-        ]
+        prefixes, users = _tenant_texts(self._rng("fixed"), self.tenants, self.prefix_tokens, self.users_per_tenant,
+                                        self.user_context_tokens, self.words_per_token)
         rng = self._rng("stream")
         cum = list(itertools.accumulate(1.0 / (k + 1) ** self.adapter_zipf for k in range(self.adapters)))
         i = 0
