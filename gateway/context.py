@@ -59,6 +59,7 @@ class RequestContext:
     extra: dict[str, Any] = field(default_factory=dict)
     adapter: AdapterRoute | None = None     # the LoRA adapter version the request was bound to
     adapter_held: bool = False              # counted in flight on that version (gateway/proxy.py)
+    adapter_sent_to: str = ""               # ... and on the replica it was sent to (Adapters.touch)
 
     @property
     def replica_name(self) -> str:

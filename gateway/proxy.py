@@ -153,7 +153,7 @@ class Proxy:
         """The request no longer needs its adapter version on the engines (once per request)."""
         if ctx.adapter_held and self.adapters is not None:
             ctx.adapter_held = False
-            self.adapters.release(ctx.adapter)
+            self.adapters.release(ctx.adapter, ctx.adapter_sent_to)
 
     async def stored_response(self, response_id: str) -> Response:
         """`GET /v1/responses/{id}` (the openai client's responses.retrieve): asked of the replica
@@ -215,7 +215,7 @@ class Proxy:
                     except BaseException:
                         self.routing.done(ctx)
                         raise
-                self.adapters.touch(ctx.adapter, replica)
+                ctx.adapter_sent_to = self.adapters.touch(ctx.adapter, replica, ctx.adapter_sent_to)
             try:
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
                                                 b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))

@@ -68,6 +68,11 @@ class AdapterUnavailable(AdapterError):
     status, code = 503, "adapter_unavailable"
 
 
+class SlotsBusy(AdapterUnavailable):
+    """Every slot of a replica holds an adapter with a request in flight there: one frees when
+    such a request ends."""
+
+
 class AdapterLoadFailed(AdapterError):
     """An engine refused the version (missing, unreadable or malformed adapter): nothing changed."""
 
@@ -107,6 +112,7 @@ class Adapters:
         self.store: AdapterStore = store or LocalStore()
         self.adapters: dict[str, Adapter] = {}
         self._inflight: Counter[str] = Counter()   # engine name -> requests sent to it, not over
+        self._on_replica: Counter[str] = Counter()  # "replica \t engine name" -> ... and to that replica
         self._routes: dict[str, AdapterRoute] = {}
         self._used: dict[str, float] = {}          # "replica \t engine" -> last request (unix time)
         self._touched: dict[str, float] = {}       # ... not written to the store yet
@@ -226,16 +232,22 @@ class Adapters:
     def acquire(self, route: AdapterRoute) -> None:
         self._inflight[route.engine_name] += 1
 
-    def release(self, route: AdapterRoute) -> None:
-        name = route.engine_name
-        self._inflight[name] -= 1
-        if self._inflight[name] <= 0:
-            del self._inflight[name]
+    def release(self, route: AdapterRoute, sent_to: str = "") -> None:
+        """The request is over (`sent_to`: what `touch` returned for it, if it was sent)."""
+        _count_down(self._inflight, route.engine_name)
+        if sent_to:
+            _count_down(self._on_replica, sent_to)
 
-    def touch(self, route: AdapterRoute, replica: Replica) -> None:
-        """A request for the adapter goes to `replica` (least-recently-used unloading reads this)."""
+    def touch(self, route: AdapterRoute, replica: Replica, before: str = "") -> str:
+        """A request for the adapter goes to `replica` (instead of `before`, where it was sent and
+        failed): least-recently-used unloading reads when, and never unloads an adapter from a
+        replica with a request of it in flight. Returns what `release` takes."""
         key = f"{replica.name}\t{route.engine_name}"
         self._used[key] = self._touched[key] = time.time()
+        if before:
+            _count_down(self._on_replica, before)
+        self._on_replica[key] += 1
+        return key
 
     def holds(self, route: AdapterRoute, replica: Replica) -> bool:
         adapter = self.adapters.get(route.name)
@@ -298,15 +310,22 @@ class Adapters:
         record = adapter.version(route.version) if adapter is not None else None
         if adapter is None or record is None:
             raise AdapterUnavailable(f"Adapter '{route.label}' was removed meanwhile.")
-        errors = []
-        for replica in self._ranked(route, replicas):
-            try:
-                await self._load_on(adapter, record, replica, evict=True)
-                return
-            except (AdapterError, LoraEngineError) as exc:
-                errors.append(f"{replica.name}: {getattr(exc, 'message', exc)}")
-        raise AdapterUnavailable(f"Adapter '{route.label}' could not be loaded: " + ("; ".join(errors)
-                                 or "no replica to load it on."))
+        deadline = time.monotonic() + self.lora.load_wait_s
+        while True:
+            errors, busy = [], False
+            for replica in self._ranked(route, replicas):
+                try:
+                    await self._load_on(adapter, record, replica, evict=True)
+                    return
+                except SlotsBusy as exc:
+                    busy = True
+                    errors.append(f"{replica.name}: {exc.message}")
+                except (AdapterError, LoraEngineError) as exc:
+                    errors.append(f"{replica.name}: {getattr(exc, 'message', exc)}")
+            if not busy or time.monotonic() >= deadline:
+                raise AdapterUnavailable(f"Adapter '{route.label}' could not be loaded: " + ("; ".join(errors)
+                                         or "no replica to load it on."))
+            await asyncio.sleep(0.1)  # a slot frees when a request of a resident adapter ends
 
     def _ranked(self, route: AdapterRoute, replicas: list[Replica]) -> list[Replica]:
         """Where to load it: a free slot before one that must be emptied, then the least loaded."""
@@ -346,22 +365,24 @@ class Adapters:
         """Unload the least recently used adapter of the replica that no request is using (here or,
         as the engine reports, through another gateway). Adapters placed on every replica stay."""
         victims = sorted(((a, e) for a, e in self._resident(replica)
-                          if a.replicas and e not in keep and not self._inflight.get(e)),
+                          if a.replicas and e not in keep and not self._on_replica.get(f"{replica.name}\t{e}")),
                          key=lambda ae: self._used.get(f"{replica.name}\t{ae[1]}", 0.0))
         for adapter, engine in victims:
             # Other gateways stop sending it there (they read `unloading` within one sync), then
             # the engine must show no request of it running or waiting.
             await self._set(adapter, engine, replica.name, Placement(UNLOADING, engine_started=replica.engine_started or 0.0))
             await asyncio.sleep(2 * self.lora.sync_s if self.store.shared else 0)
-            if self._inflight.get(engine) or engine in await self.client.busy(replica.url):
+            if self._on_replica.get(f"{replica.name}\t{engine}") or engine in await self.client.busy(replica.url):
                 await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
                 continue
             await self._unload(replica, engine)
             await self._set(adapter, engine, replica.name, None)
             log.warning("adapter %s unloaded from %s (least recently used; its slot is needed)", engine, replica.name)
             return
-        raise AdapterUnavailable(f"All {self.lora.max_loras} adapter slots of replica {replica.name} hold "
-                                 "adapters that are in use or placed on every replica.")
+        message = (f"All {self.lora.max_loras} adapter slots of replica {replica.name} hold "
+                   "adapters that are in use or placed on every replica.")
+        in_use = any(a.replicas and e not in keep for a, e in self._resident(replica))
+        raise SlotsBusy(message) if in_use else AdapterUnavailable(message)
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -634,3 +655,9 @@ def _same_engine(placement: Placement, replica: Replica) -> bool:
 
 def _placement(replicas: int) -> str:
     return "every replica" if not replicas else f"at most {replicas} replicas, on demand"
+
+
+def _count_down(counts: Counter[str], key: str) -> None:
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
