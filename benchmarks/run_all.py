@@ -244,6 +244,25 @@ def adapter_routing_sim() -> str:
             f"{loads('demo', 'cache_aware')} vs {loads('demo', 'round_robin')}")
 
 
+def adapter_routing_real() -> str:
+    d = load("adapter_routing_real")
+    names = ["adapter_aware", "cache_aware", "round_robin"]
+    by = {r["policy"]: r for r in d["summary"]}
+    twin = {r["policy"]: r for r in d["sim_twin"]}
+
+    def each(rows: dict, key: str, fmt: Callable[[float], str]) -> str:
+        return " / ".join(fmt(rows[p][key]) for p in names)
+
+    loads = [by[p]["loads_per_1k"] for p in names]
+    failed = sum(r["failed"] for r in d["summary"])
+    requests = sum(r["requests"] for r in d["summary"])
+    whole = lambda v: f"{v:.0f}"  # noqa: E731
+    return (f"adapter loads per 1,000 requests (adapter_aware / cache_aware / round robin) "
+            f"{bold(each(by, 'loads_per_1k', whole), loads[0] <= min(loads))} (simulator, same requests: "
+            f"{each(twin, 'loads_per_1k', whole)}); TTFT p90 {each(by, 'ttft_p90_ms', whole)} ms; cached tokens "
+            f"{each(by, 'cached_ratio', pct)}; {bold(f'{failed} failed', failed == 0)} of {requests:,}")
+
+
 def agent_routing() -> str:
     runs = load("agent_routing")["runs"]
     by = {(r["api"], r["policy"]): r for r in runs}
@@ -327,6 +346,13 @@ BENCHMARKS = [
               run=["benchmarks/adapter_routing.py", "--sim"],
               quick=["benchmarks/adapter_routing.py", "--sim", "--quick", "--out", str(SCRATCH / "adapter_routing_sim")],
               files=["adapter_routing_sim"]),
+    Benchmark("adapter_routing_real", "LoRA adapter routing, 2 real engines × 8 adapters × 2 slots",
+              "fewest loads; 0 failed",
+              "`python benchmarks/adapter_routing.py --real` ([command](docs/benchmarks.md#adapter-routing-real-engines))",
+              adapter_routing_real, run=["benchmarks/adapter_routing.py", "--real"],
+              quick=["benchmarks/adapter_routing.py", "--real", "--rounds", "1", "--requests", "40", "--warmup", "8",
+                     "--out", str(SCRATCH / "adapter_routing_real")],
+              stack="examples/adapter-routing-fleet.toml", files=["adapter_routing_real"]),
     Benchmark("loadtest_vs_vllm_bench", "load tester vs `vllm bench serve`", "within 10%",
               "`python benchmarks/loadtest_vs_vllm_bench.py`", loadtest_vs_vllm,
               files=["loadtest_vs_vllm_bench"]),
