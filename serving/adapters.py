@@ -243,11 +243,17 @@ class Adapters:
         failed): least-recently-used unloading reads when, and never unloads an adapter from a
         replica with a request of it in flight. Returns what `release` takes."""
         key = f"{replica.name}\t{route.engine_name}"
-        self._used[key] = self._touched[key] = time.time()
+        self._used_now(replica, route.engine_name)
         if before:
             _count_down(self._on_replica, before)
         self._on_replica[key] += 1
         return key
+
+    def _used_now(self, replica: Replica, engine: str) -> float:
+        """The version was used on the replica now (least-recently-used unloading reads this)."""
+        key = f"{replica.name}\t{engine}"
+        self._used[key] = self._touched[key] = now = time.time()
+        return now
 
     def holds(self, route: AdapterRoute, replica: Replica) -> bool:
         adapter = self.adapters.get(route.name)
@@ -358,8 +364,8 @@ class Adapters:
                 await self._set(adapter, engine, replica.name, Placement(FAILED, str(exc)))
                 raise
             await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
-            self.touch(route, replica)  # just loaded for a request: not the next one to go
-            await self.store.used({f"{replica.name}\t{engine}": self._used[f"{replica.name}\t{engine}"]})
+            used = self._used_now(replica, engine)  # just loaded for a request: not the next one to go
+            await self.store.used({f"{replica.name}\t{engine}": used})
 
     async def _evict_one(self, replica: Replica, keep: set[str]) -> None:
         """Unload the least recently used adapter of the replica that no request is using (here or,

@@ -28,6 +28,9 @@ class RecordedEngineCalls:
     async def unload(self, url: str, engine: str) -> None:
         self.unloaded.append((url, engine))
 
+    async def load(self, url: str, engine: str, path: str) -> None:
+        pass
+
     async def close(self) -> None:
         pass
 
@@ -45,6 +48,11 @@ def registry(pinned: bool = False) -> tuple[Adapters, RecordedEngineCalls, Fleet
                                           versions=[AdapterVersion("v1", f"/adapters/{name}", 0.0)], current="v1",
                                           placements={f"{name}@v1": resident})
     return adapters, calls, fleet
+
+
+def on_demand(name: str) -> Adapter:
+    return Adapter(name=name, base="demo", tiers=["standard"], replicas=2,
+                   versions=[AdapterVersion("v1", f"/adapters/{name}", 0.0)], current="v1")
 
 
 def route(name: str) -> AdapterRoute:
@@ -94,5 +102,21 @@ def test_a_replica_whose_slots_are_all_in_use_waits_only_if_one_can_free(pinned)
             await adapters._evict_one(a, keep=set())
         assert isinstance(err.value, SlotsBusy) is not pinned
         assert calls.unloaded == []
+
+    asyncio.run(run())
+
+
+def test_loading_one_adapter_after_another_keeps_unloading_the_least_recent():
+    """A load marks its adapter just used, not in use: with no request in flight, every new adapter
+    on a full replica unloads the least recently used one."""
+    async def run() -> None:
+        adapters, calls, fleet = registry()
+        a = fleet.replicas["a"]
+        a.healthy = True
+        for name in ("z", "w", "v"):
+            adapters.adapters[name] = adapter = on_demand(name)
+            await adapters._load_on(adapter, adapter.versions[0], a, evict=True)
+        assert [engine for url, engine in calls.unloaded if url == a.url] == ["x@v1", "y@v1", "z@v1"]
+        assert not adapters._on_replica
 
     asyncio.run(run())
