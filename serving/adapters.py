@@ -242,18 +242,18 @@ class Adapters:
         """A request for the adapter goes to `replica` (instead of `before`, where it was sent and
         failed): least-recently-used unloading reads when, and never unloads an adapter from a
         replica with a request of it in flight. Returns what `release` takes."""
-        key = f"{replica.name}\t{route.engine_name}"
-        self._used_now(replica, route.engine_name)
+        key = self._used_now(replica, route.engine_name)
         if before:
             _count_down(self._on_replica, before)
         self._on_replica[key] += 1
         return key
 
-    def _used_now(self, replica: Replica, engine: str) -> float:
-        """The version was used on the replica now (least-recently-used unloading reads this)."""
+    def _used_now(self, replica: Replica, engine: str) -> str:
+        """The version was used on the replica now (least-recently-used unloading reads this);
+        returns its "replica \t engine" key."""
         key = f"{replica.name}\t{engine}"
-        self._used[key] = self._touched[key] = now = time.time()
-        return now
+        self._used[key] = self._touched[key] = time.time()
+        return key
 
     def holds(self, route: AdapterRoute, replica: Replica) -> bool:
         adapter = self.adapters.get(route.name)
@@ -364,8 +364,8 @@ class Adapters:
                 await self._set(adapter, engine, replica.name, Placement(FAILED, str(exc)))
                 raise
             await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
-            used = self._used_now(replica, engine)  # just loaded for a request: not the next one to go
-            await self.store.used({f"{replica.name}\t{engine}": used})
+            key = self._used_now(replica, engine)  # just loaded for a request: not the next one to go
+            await self.store.used({key: self._used[key]})
 
     async def _evict_one(self, replica: Replica, keep: set[str]) -> None:
         """Unload the least recently used adapter of the replica that no request is using (here or,
