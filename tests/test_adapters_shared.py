@@ -10,9 +10,7 @@ The tests run in order and share one story (adapters `sh-a` ... `sh-d`, placed `
 
 from __future__ import annotations
 
-import concurrent.futures
 import shutil
-import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -23,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from multihost import RedisServer
+from streams import StreamReader
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import EmbeddedGateway
 from yieldgate.pricing import PriceBook, Usage
@@ -145,29 +144,19 @@ def test_an_adapter_with_a_request_in_flight_elsewhere_is_never_unloaded(gateway
     assert complete(one, "sh-c").status_code == 200
     # A long stream on sh-a through gateway two; sh-c is used after it, so sh-a is the least
     # recently used, yet busy: loading sh-b through gateway one must unload sh-c instead.
-    stream = openai.OpenAI(base_url=two.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-    first = threading.Event()
-
-    def long_stream() -> int:
-        chunks = 0
-        for _ in stream.completions.create(model="sh-a", prompt="Once", max_tokens=3000, stream=True,
-                                           extra_body={"ignore_eos": True}):
-            chunks += 1
-            first.set()
-        return chunks
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(long_stream)
-        assert first.wait(60)
+    # Read by a process of its own (tests/streams.py): a thread of this one reading it can keep this
+    # test from running until the stream has ended.
+    body = {"model": "sh-a", "prompt": "Once", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+    with StreamReader(two.url + "/v1/completions", [body]) as reader:
+        reader.wait_started(60)
         assert complete(one, "sh-c").status_code == 200     # sh-c more recent than sh-a
         r = complete(one, "sh-b")
         assert r.status_code == 200, r.text
-        assert not running.done(), "the stream ended before the slot was needed; make it longer"
+        assert not reader.any_ended(), "the stream ended before the slot was needed; make it longer"
         holds_meanwhile = engine_holds(stack)
-        chunks = running.result()
+        (stream,) = reader.results(300)
     assert holds_meanwhile == {"sh-a@v1", "sh-b@v1"}
-    assert chunks > 100
+    assert stream.error == "" and stream.done and len(stream.events) > 100, (stream.error, len(stream.events))
 
 
 def test_an_adapter_that_cannot_load_is_a_503_in_openai_shape(gateways, files, stack):

@@ -11,17 +11,15 @@ import contextlib
 import json
 import signal
 import sqlite3
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
-from multihost import sse_lines
 from polling import exit_code, until
+from streams import StreamReader, StreamResult
 from yieldgate.cache import Tokenizer
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
@@ -43,89 +41,32 @@ def drain_config(stack, redis_url: str, data: Path, instance_id: str, drain_s: f
             ReplicaConfig(name="std", tier="standard", url=stack.engines[engine])]))
 
 
-@dataclass
-class Stream:
-    """One streamed chat completion read to its end by a thread of its own."""
-
-    url: str
-    i: int
-    # Greedy on a prompt that repeats itself, with the engine's running token count in every event
-    # (stream_options.continuous_usage_stats): the fast engine's n-gram speculation then accepts
-    # several drafted tokens in one step, and each event says how many tokens have been sent.
-    repetitive: bool = False
-    request_id: str = ""
-    gateway: str = ""
-    first: threading.Event = field(default_factory=threading.Event)
-    events: list[dict] = field(default_factory=list)
-    done: bool = False           # ended with data: [DONE]
-    error: str = ""              # an error event's message, or the client's exception
-    ended_at: float = 0.0
-
-    def run(self) -> None:
-        body = {"model": "demo", "stream": True, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": f"drain {self.i} {uuid.uuid4().hex}"}]}
-        if self.repetitive:
-            body |= {"temperature": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                     "messages": [{"role": "user", "content": f"{uuid.uuid4().hex[:6]} " + "one two three four " * 40}]}
-        try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=120) as r:
-                self.request_id = r.headers.get("x-request-id", "")
-                self.gateway = r.headers.get("x-yieldgate-gateway", "")
-                for line in sse_lines(r):
-                    if not line.startswith("data: "):
-                        continue
-                    self.first.set()
-                    if line == "data: [DONE]":
-                        self.done = True
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event["error"]["message"]
-                    else:
-                        self.events.append(event)
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            self.first.set()
-            self.ended_at = time.monotonic()
-
-    @property
-    def usage(self) -> dict | None:
-        """The final usage (its event has no choices)."""
-        return next((e["usage"] for e in self.events if e.get("usage") and not e.get("choices")), None)
-
-    @property
-    def token_events(self) -> int:
-        """Events carrying generated tokens: all but the role event and the usage event."""
-        return sum(1 for e in self.events if e.get("choices") and "role" not in e["choices"][0]["delta"])
-
-    @property
-    def text(self) -> str:
-        return "".join(e["choices"][0]["delta"].get("content") or "" for e in self.events if e.get("choices"))
-
-    @property
-    def engine_tokens(self) -> int:
-        """The engine's own count of the tokens in the events received (continuous usage stats)."""
-        return max((e["usage"]["completion_tokens"] for e in self.events if e.get("choices") and e.get("usage")),
-                   default=0)
+def stream_body(i: int, repetitive: bool = False) -> dict:
+    """A streamed chat completion of exactly STREAM_TOKENS tokens (ignore_eos). `repetitive`: greedy
+    on a prompt that repeats itself, with the engine's running token count in every event
+    (stream_options.continuous_usage_stats): the fast engine's n-gram speculation then accepts
+    several drafted tokens in one step, and each event says how many tokens have been sent."""
+    body = {"model": "demo", "stream": True, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"drain {i} {uuid.uuid4().hex}"}]}
+    if repetitive:
+        body |= {"temperature": 0, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                 "messages": [{"role": "user", "content": f"{uuid.uuid4().hex[:6]} " + "one two three four " * 40}]}
+    return body
 
 
-def billed_output(stream: Stream, tokenizer: Tokenizer) -> int:
+def billed_output(stream: StreamResult, tokenizer: Tokenizer) -> int:
     """What a stream cut short is billed: the relayed text tokenized (an undecodable token, U+FFFD,
     counted as one), at least one token an event."""
     text = stream.text
     return max(stream.token_events, tokenizer.count(text.replace("\ufffd", "")) + text.count("\ufffd"))
 
 
-def start_streams(url: str, n: int) -> tuple[list[Stream], list[threading.Thread]]:
-    streams = [Stream(url, i) for i in range(n)]
-    threads = [threading.Thread(target=s.run) for s in streams]
-    for t in threads:
-        t.start()
-    for s in streams:
-        assert s.first.wait(60), "a stream never started"
-    return streams, threads
+def start_streams(url: str, n: int) -> StreamReader:
+    """n streams read by a process of their own (tests/streams.py: not by threads of this one)."""
+    reader = StreamReader(url + "/v1/chat/completions", [stream_body(i) for i in range(n)])
+    reader.wait_started(60)
+    return reader
 
 
 def ledger_rows(data: Path) -> dict[str, list[dict]]:
@@ -183,9 +124,10 @@ def test_sigterm_drains_streams_and_flushes_the_ledger(stack, redis_url, tmp_pat
     data = tmp_path / "data"
     drain_s, stop_timeout_s = 10.0, 300.0
     gw = GatewayProcess(drain_config(stack, redis_url, data, "drain-gw-a", drain_s, stop_timeout_s), tmp_path / "gw")
+    reader = None
     try:
         until(lambda: http_status(gw.url + "/readyz") == 200, "the gateway is ready")
-        streams, threads = start_streams(gw.url, 3)
+        reader = start_streams(gw.url, 3)
         gw.process.send_signal(signal.SIGTERM)
         at = Timeline(gw.log_path)
         # Not ready at once (the load balancer stops sending), still alive.
@@ -209,12 +151,13 @@ def test_sigterm_drains_streams_and_flushes_the_ledger(stack, redis_url, tmp_pat
         assert exit_code(gw.process, drain_s + stop_timeout_s + 30, gw.log_path) == 0
         at.mark("exited 0")
         assert http_status(gw.url + "/healthz") == 0
-        for t in threads:
-            t.join(10)
+        streams = reader.results(30)
     finally:
         gw.stop()
-    for s in streams:
-        assert s.error == "" and s.done, (s.i, s.error, str(at))
+        if reader is not None:
+            reader.close()
+    for i, s in enumerate(streams):
+        assert s.error == "" and s.done, (i, s.error, str(at))
         assert s.usage["completion_tokens"] == STREAM_TOKENS
         assert s.gateway == "drain-gw-a"
     # Flushed before exit: every request is in the store once, naming the gateway that served it.
@@ -255,8 +198,9 @@ def test_a_second_sigterm_or_the_stop_timeout_ends_streams_billed_for_what_was_r
     drain_s, stop_timeout_s = (60.0, 120.0) if how == "second_sigterm" else (0.0, 0.0)
     gw = GatewayProcess(drain_config(stack, redis_url, data, f"drain-gw-{how}", drain_s, stop_timeout_s),
                         tmp_path / "gw")
+    reader = None
     try:
-        streams, threads = start_streams(gw.url, 2)
+        reader = start_streams(gw.url, 2)
         gw.process.send_signal(signal.SIGTERM)
         at = Timeline(gw.log_path)
         if how == "second_sigterm":
@@ -264,13 +208,14 @@ def test_a_second_sigterm_or_the_stop_timeout_ends_streams_billed_for_what_was_r
             at.mark(f"/readyz {ready}")
             assert ready == 503, at
             gw.process.send_signal(signal.SIGTERM)
-            at.mark("second SIGTERM sent; streams done: " + str([s.done for s in streams]))
-            assert not any(s.done for s in streams), at
+            at.mark(f"second SIGTERM sent; a stream ended already: {reader.any_ended()}")
+            assert not reader.any_ended(), at
         assert exit_code(gw.process, 60, gw.log_path) == 0
-        for t in threads:
-            t.join(30)
+        streams = reader.results(30)
     finally:
         gw.stop()
+        if reader is not None:
+            reader.close()
     assert journal_flushed(data)
     rows = ledger_rows(data)
     for s in streams:
@@ -293,16 +238,17 @@ def test_a_cut_stream_is_billed_for_the_tokens_relayed_not_its_events(stack, red
     data = tmp_path / "data"
     gw = GatewayProcess(drain_config(stack, redis_url, data, "drain-gw-cut", 0.0, 0.0, engine="fast"),
                         tmp_path / "gw")
+    reader = None
     try:
-        stream = Stream(gw.url, 0, repetitive=True)
-        thread = threading.Thread(target=stream.run)
-        thread.start()
-        until(lambda: stream.token_events >= 40 or stream.done, "40 events relayed", pause_s=0.02, attempts=3000)
+        reader = StreamReader(gw.url + "/v1/chat/completions", [stream_body(0, repetitive=True)])
+        until(lambda: reader.events[0] >= 40 or reader.any_ended(), "40 events relayed", pause_s=0.02, attempts=3000)
         gw.process.send_signal(signal.SIGTERM)
         assert exit_code(gw.process, 60, gw.log_path) == 0
-        thread.join(30)
+        (stream,) = reader.results(30)
     finally:
         gw.stop()
+        if reader is not None:
+            reader.close()
     assert stream.done and "shutting down" in stream.error and stream.usage is None, (stream.error, stream.done)
     events, engine_tokens = stream.token_events, stream.engine_tokens
     (record,) = ledger_rows(data)[stream.request_id]
