@@ -28,6 +28,10 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
     kv_events: bool = False       # publish KV events on a local IPC socket (see kv_events_ipc)
     startup_timeout_s: float = 600.0
+    # The engine's processes sleep this long between polls of the ring buffer they share instead of
+    # spinning on sched_yield(), which keeps a host's other processes (the gateway) off the CPU for
+    # seconds while it decodes (serving/engine_polling.py); 0 = vLLM's own loop.
+    poll_pause_us: float = 50.0
 
 
 class SupervisionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

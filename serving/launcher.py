@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import FleetConfig, LoraConfig, ReplicaConfig
+from .engine_polling import ENV as POLL_PAUSE_ENV
 
 _PR_SET_PDEATHSIG = 1
 
@@ -77,6 +78,8 @@ def engine_env(replica: ReplicaConfig, lora: LoraConfig = LoraConfig(enabled=Fal
             "TRANSFORMERS_OFFLINE": "1",
         }
     )
+    if spec.poll_pause_us > 0:
+        env[POLL_PAUSE_ENV] = f"{spec.poll_pause_us:g}"
     if lora.enabled or "--enable-lora" in spec.args:
         # /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters come and go at run time.
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
