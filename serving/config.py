@@ -28,10 +28,12 @@ class LaunchSpec(msgspec.Struct, forbid_unknown_fields=True):
     cpus: str = ""                # OMP thread binding for vLLM's CPU backend, e.g. "0" or "0-1"
     kv_events: bool = False       # publish KV events on a local IPC socket (see kv_events_ipc)
     startup_timeout_s: float = 600.0
-    # The engine's processes sleep this long between polls of the ring buffer they share instead of
-    # spinning on sched_yield(), which keeps a host's other processes (the gateway) off the CPU for
-    # seconds while it decodes (serving/engine_polling.py); 0 = vLLM's own loop.
+    # The engine's processes poll the ring buffer they share by yielding for poll_spin_us, then
+    # sleeping poll_pause_us a poll, instead of yielding for a whole second, which keeps a host's
+    # other processes (the gateway) off the CPU for seconds while it decodes
+    # (serving/engine_polling.py); poll_pause_us = 0: vLLM's own loop.
     poll_pause_us: float = 50.0
+    poll_spin_us: float = 300.0
 
 
 class SupervisionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import FleetConfig, LoraConfig, ReplicaConfig
-from .engine_polling import ENV as POLL_PAUSE_ENV
+from . import engine_polling
 
 _PR_SET_PDEATHSIG = 1
 
@@ -79,7 +79,8 @@ def engine_env(replica: ReplicaConfig, lora: LoraConfig = LoraConfig(enabled=Fal
         }
     )
     if spec.poll_pause_us > 0:
-        env[POLL_PAUSE_ENV] = f"{spec.poll_pause_us:g}"
+        env[engine_polling.ENV] = f"{spec.poll_pause_us:g}"
+        env[engine_polling.SPIN_ENV] = f"{spec.poll_spin_us:g}"
     if lora.enabled or "--enable-lora" in spec.args:
         # /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters come and go at run time.
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
