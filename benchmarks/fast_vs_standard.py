@@ -43,6 +43,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def ratio_ci90(fast: list[float], standard: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """90% bootstrap interval of p50(fast) / p50(standard), each sample resampled on its own. Where
+    both tiers run on the same engine (the speculation filter's plain replica) the ratio is 1 but
+    for noise; the interval says how far one run's noise reaches."""
+    import random
+
+    from yieldgate.loadtest.stats import percentile
+
+    rng = random.Random(seed)
+    ratios = sorted(percentile(rng.choices(fast, k=len(fast)), 50)
+                    / percentile(rng.choices(standard, k=len(standard)), 50) for _ in range(resamples))
+    return [percentile(ratios, 5), percentile(ratios, 95)]
+
+
 def needed_for_2x(row: dict, k: int) -> dict:
     """What acceptance the fast tier would need for 2x, from this run's own step costs: a fast-tier
     step (verify k drafts) costs tpot_fast * tokens_per_step; a standard step emits one token."""
@@ -135,6 +149,9 @@ def main() -> None:
                                                row["standard"]["output_tps_per_request_p50"])
         row["speedup_e2e_output_tps_p50"] = _ratio(row["fast"]["e2e_output_tps_per_request_p50"],
                                                    row["standard"]["e2e_output_tps_per_request_p50"])
+        per_request = {r.target: [x.e2e_output_tps for x in r.records
+                                  if x.ok and not x.warmup and x.e2e_output_tps] for r in results}
+        row["speedup_e2e_output_tps_ci90"] = ratio_ci90(per_request["fast"], per_request["standard"])
         row["tpot_ratio_p50"] = _ratio(row["fast"]["tpot_ms_p50"], row["standard"]["tpot_ms_p50"])
         row.update(needed_for_2x(row, SPEC_TOKENS))
         out["workloads"][name] = row
