@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .config import FleetConfig, LoraConfig, ReplicaConfig
 from . import engine_polling
+from .config import FleetConfig, LoraConfig, ReplicaConfig
 
 _PR_SET_PDEATHSIG = 1
 

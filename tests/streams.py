@@ -1,10 +1,9 @@
 """Streams read by a process of their own while a test acts on the server.
 
-Threads of the test process that read fast SSE streams (hundreds of events a second each) can keep
-the test's main thread from running for as long as the streams last: seen as a 12 s wait for the
-GIL inside a /readyz call while two 4,000-token streams ran, which made drain drills see a closed
-listener or a stream already ended. A child process reads the streams instead and says on stdout
-when each one starts and ends; its main thread does nothing else.
+A drain drill times what the gateway does after a signal while streams of hundreds of events a
+second run through it. Reading them in a child process keeps that reading off the test process,
+whose own steps (probes, requests, signals) are what the drill times; the child says on stdout
+when each stream starts and ends and how many events it has received.
 
     with StreamReader(url + "/v1/chat/completions", bodies) as streams:
         streams.wait_started(60)

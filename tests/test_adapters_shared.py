@@ -144,8 +144,7 @@ def test_an_adapter_with_a_request_in_flight_elsewhere_is_never_unloaded(gateway
     assert complete(one, "sh-c").status_code == 200
     # A long stream on sh-a through gateway two; sh-c is used after it, so sh-a is the least
     # recently used, yet busy: loading sh-b through gateway one must unload sh-c instead.
-    # Read by a process of its own (tests/streams.py): a thread of this one reading it can keep this
-    # test from running until the stream has ended.
+    # Read by a process of its own (tests/streams.py) while this test loads the other adapters.
     body = {"model": "sh-a", "prompt": "Once", "max_tokens": 3000, "stream": True, "ignore_eos": True}
     with StreamReader(two.url + "/v1/completions", [body]) as reader:
         reader.wait_started(60)
