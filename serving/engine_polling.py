@@ -19,6 +19,7 @@ variables.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 
@@ -55,8 +56,12 @@ def register() -> None:
     if pause_us <= 0:
         return
     spin_us = float(os.environ.get(SPIN_ENV, "0") or 0)
-    from vllm.distributed import utils
-    from vllm.distributed.device_communicators import shm_broadcast
+    try:
+        from vllm.distributed import utils
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError as exc:  # another vLLM layout: its own loop, and the engine still starts
+        logging.getLogger("yieldgate.engine_polling").warning("poll pause not installed: %s", exc)
+        return
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
