@@ -48,15 +48,21 @@ def decode_rate(url: str, model: str, concurrency: int, requests: int = 8) -> fl
 
 
 @contextmanager
-def demo_engine(port: int, lora: bool, log_path: Path) -> Iterator[str]:
-    """The demo fleet's standard-0 engine as `yieldgate up` launches it (LoRA on or off) on `port`,
-    healthy; its URL. Stopped (its whole process group) on the way out."""
+def demo_engine(port: int, lora: bool, log_path: Path, poll_pause_us: float | None = None) -> Iterator[str]:
+    """The demo fleet's standard-0 engine as `yieldgate up` launches it (LoRA on or off; its ring-buffer
+    poll pause, serving/engine_polling.py, as configured unless given) on `port`, healthy; its URL.
+    Stopped (its whole process group) on the way out."""
+    import msgspec
+
     from yieldgate.serving.config import FleetConfig, LoraConfig
     from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.launcher import answers_health, engine_command, engine_env
 
     fleet = FleetConfig(demo_base_port=port)
     replica = fleet.replicas[0]  # standard-0
+    if poll_pause_us is not None:
+        replica = msgspec.structs.replace(
+            replica, launch=msgspec.structs.replace(replica.launch, poll_pause_us=poll_pause_us))
     spec = LoraConfig(enabled=lora)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(engine_command(str(ensure_demo_model()), "demo", fleet.block_size, replica, spec),

@@ -181,6 +181,15 @@ def engine_hops() -> str:
             f"max {span([h['max_ms'] / 1000 for h in hop], lambda v: f'{v:.1f}')} s")
 
 
+def engine_polling() -> str:
+    d = load("engine_polling")
+    late = {n: [r["max_ms"] for r in d["rows"] if r["setting"] == n] for n in ("pause_50us", "vllm_yield_loop")}
+    ms = lambda v: f"{v:,.0f}"  # noqa: E731
+    return (f"decode per request {d['decode_ratio_c1']:.2f}× alone, {d['decode_ratio_c3']:.2f}× at conc. 3; "
+            f"a gateway beside it, relaying 3 streams, answers /readyz within {span(late['pause_50us'], ms)} ms "
+            f"vs {span(late['vllm_yield_loop'], ms)} ms (worst probe per round)")
+
+
 def gateway_overhead() -> str:
     d = load("gateway_overhead")
     t = d["analysis"]["table"]
@@ -387,6 +396,9 @@ BENCHMARKS = [
     Benchmark("engine_hops", "engine round trip while the other engine serves", "—",
               "`python benchmarks/engine_hops.py`", engine_hops, run=["benchmarks/engine_hops.py"],
               files=["engine_hops"]),
+    Benchmark("engine_polling", "launched engine's poll loop: 50 µs pause vs vLLM's yield loop, demo engine",
+              "—", "`python benchmarks/engine_polling.py` ([why](docs/deployment.md#engines-beside-the-gateway))",
+              engine_polling, run=["benchmarks/engine_polling.py"], files=["engine_polling"]),
     Benchmark("gateway_overhead", "gateway overhead, all features on, vs vllm-router, smg and LiteLLM, fake upstream",
               "CPU ≤ the fastest Rust router's; ≥ 5× LiteLLM; p50 ≤ 1 ms, p99 ≤ 5 ms; 0 errors; < 5%",
               "`python benchmarks/gateway_overhead.py`", gateway_overhead, run=["benchmarks/gateway_overhead.py"],
