@@ -27,6 +27,7 @@ import httpx
 from polling import exit_code, until
 from test_discovery_dns import SRV_NAME, ZONE, Dnsmasq
 from yieldgate.gateway.config import Config, ServerConfig
+from streams import sse_lines
 from yieldgate.gateway.embedded import GatewayProcess, http_status
 from yieldgate.serving.config import DiscoveryConfig, FleetConfig, TierConfig
 
@@ -319,17 +320,6 @@ class Load:
             s.ok = done and s.cost is not None and not s.detail
             if not s.ok and not s.detail:
                 s.detail = "stream ended without usage and [DONE]"
-
-
-def sse_lines(r: httpx.Response):
-    """Lines split on "\n" only: httpx's iter_lines also splits on U+2028 and friends, which the
-    demo model's gibberish text carries unescaped inside JSON strings."""
-    buffer = b""
-    for chunk in r.iter_bytes():
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.decode()
 
 
 def failures(served: list[Served]) -> list[Served]:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 
 @dataclass
 class StreamResult:
@@ -115,11 +117,20 @@ class StreamReader:
 PROGRESS = 10
 
 
+def sse_lines(r: httpx.Response):
+    """Lines split on "\n" only: httpx's iter_lines also splits on U+2028 and friends, which the
+    demo model's gibberish text carries unescaped inside JSON strings."""
+    buffer = b""
+    for chunk in r.iter_bytes():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.decode()
+
+
 # -- the child -----------------------------------------------------------------------------------------
 
 def _read(url: str, body: dict, i: int, timeout_s: float, out: list[dict], say: threading.Lock) -> None:
-    import httpx
-
     result: dict = {"request_id": "", "gateway": "", "events": [], "done": False, "error": ""}
     out[i] = result
     started = False
@@ -134,29 +145,22 @@ def _read(url: str, body: dict, i: int, timeout_s: float, out: list[dict], say: 
             result["gateway"] = r.headers.get("x-yieldgate-gateway", "")
             if r.status_code != 200:
                 result["error"] = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
-            buffer = b""
-            # Lines split on "\n" only: httpx's iter_lines also splits on U+2028 and friends, which
-            # the demo model's gibberish carries unescaped inside JSON strings.
-            for chunk in r.iter_bytes():
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for raw in lines:
-                    line = raw.decode()
-                    if not line.startswith("data: "):
-                        continue
-                    if not started:
-                        started = True
-                        tell("started")
-                    if line == "data: [DONE]":
-                        result["done"] = True
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result["error"] = event["error"]["message"]
-                    else:
-                        result["events"].append(event)
-                        if len(result["events"]) % PROGRESS == 0:
-                            tell("events", len(result["events"]))
+            for line in sse_lines(r):
+                if not line.startswith("data: "):
+                    continue
+                if not started:
+                    started = True
+                    tell("started")
+                if line == "data: [DONE]":
+                    result["done"] = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    result["error"] = event["error"]["message"]
+                else:
+                    result["events"].append(event)
+                    if len(result["events"]) % PROGRESS == 0:
+                        tell("events", len(result["events"]))
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
