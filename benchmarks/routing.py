@@ -12,6 +12,9 @@ per run. The same workload, salt and closed-loop concurrency go through the simu
 replicas (second one without KV events): that is the calibration (predicted vs measured cached
 tokens). The oracle for a real run is the simulator's oracle on the same salted workload (the real
 assistant answers of agent turns differ in words, not in length).
+A policy `ROUTER:POLICY` (vllm-router:cache_aware, smg:cache_aware) puts that Rust router, the pinned
+version gateway_overhead.py installs in a venv of its own, in front of the same two engines in place
+of a gateway, in the same interleaved rounds; it has no simulated twin (round robin's gives its oracle).
 (b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
 
 KV pressure (routing-kv192-t16.*): with vLLM's 1 GiB default each engine holds ~65k blocks of the tiny
@@ -34,7 +37,7 @@ load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% 
 a cold request's TTFT whatever the policy):
     yieldgate up -c examples/routing-fleet-kv192.toml
     python benchmarks/routing.py --no-sim --tenants 6 --shared-requests 360 --agent-requests 120 \
-        --rounds 6 --cold-phases --policies round_robin,cache_aware \
+        --rounds 6 --cold-phases --policies round_robin,cache_aware,vllm-router:cache_aware,smg:cache_aware \
         --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
 routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
@@ -93,6 +96,62 @@ DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_se
 # -- real fleet -----------------------------------------------------------------------------------
 
 from yieldgate.gateway.embedded import GatewayProcess  # noqa: E402
+
+# The Rust routers' own prefix-aware policies, on the same engines and workloads as yieldgate's:
+# "ROUTER:POLICY" in --policies, e.g. vllm-router:cache_aware and smg:cache_aware (each matches the
+# request text against a radix tree of what it sent each engine, and balances load past a threshold).
+# vllm-router's kv_aware is not among them: it tokenizes through vLLM's render endpoint
+# (--enable-scale-out) and did not match the events of engines hashing blocks with sha256 (pickle),
+# which yieldgate's index matches; docs/benchmarks.md#routing.
+
+
+def is_peer(policy: str) -> bool:
+    return ":" in policy
+
+
+class PeerRouter:
+    """A Rust router in front of the engines: the pinned version from gateway_overhead.py, in its
+    own venv, on loopback; it does not say which engine served a request, so the benchmark counts
+    each engine's finished requests around every phase instead."""
+
+    def __init__(self, policy: str, engines: list[tuple[str, str]], workdir: Path):
+        import subprocess
+
+        import gateway_overhead  # benchmarks/, next to this script: the Rust routers' pinned venvs
+
+        router, _, name = policy.partition(":")
+        spec = gateway_overhead.ROUTERS[router]
+        venv = gateway_overhead.bench_venv(spec["spec"])
+        self.version = gateway_overhead.installed_version(venv, router)
+        self.port = gateway_overhead.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(venv / "bin" / router), *spec["argv"], "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *(url for url, _ in engines), "--policy", name,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(gateway_overhead.free_port()),
+                "--log-level", spec["log_level"]]
+        self.log_path = workdir / f"{router}-{name}-{self.port}.log"
+        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
+                                        stderr=subprocess.STDOUT)
+        try:
+            gateway_overhead.wait_http(self.url + "/health", 120, self.process)
+        except BaseException:
+            self.stop()
+            raise SystemExit(f"{policy} did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        import gateway_overhead
+
+        gateway_overhead.stop(self.process)
+
+
+def engine_requests(url: str) -> float:
+    """Requests the engine has finished (vLLM's request_success_total, every finish reason)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
 
 
 # The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
@@ -179,8 +238,8 @@ def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, se
             "p_not_worse": sum(d <= 0 for d in diffs) / resamples}
 
 
-async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: list[int], rounds: int,
-                       seed: int, tenants: int, reset_urls: list[str]) -> dict[str, dict]:
+async def _interleaved(gateways: dict[str, GatewayProcess | PeerRouter], conc: int, sizes: list[int], rounds: int,
+                       seed: int, tenants: int, reset_urls: list[str], engine_urls: list[str]) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
     from yieldgate.loadtest import Runner, Target
@@ -196,7 +255,8 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
             await runner.__aenter__()
             runners.append(runner)
             parts.append({"workload": workload, "n": n, "salt": salt.value, "runner": runner})
-        state[policy] = {"parts": parts, "records": [], "steady": [], "duration": 0.0}
+        state[policy] = {"parts": parts, "records": [], "steady": [], "duration": 0.0,
+                         "per_engine": dict.fromkeys(engine_urls, 0.0)}
     try:
         for k in range(rounds):
             for policy, st in state.items():
@@ -207,8 +267,15 @@ async def _interleaved(gateways: dict[str, GatewayProcess], conc: int, sizes: li
                     if reset_urls:  # --cold-phases: every phase starts on empty engine caches
                         await asyncio.gather(*(asyncio.to_thread(_reset_prefix_cache, u) for u in reset_urls))
                         await asyncio.sleep(0.3)  # the AllBlocksCleared events reach the gateways
+                    peer = isinstance(gateways[policy], PeerRouter)
+                    if peer:
+                        before = await asyncio.gather(*(asyncio.to_thread(engine_requests, u) for u in engine_urls))
                     _, records, duration = await part["runner"].run_phase(
                         ConcurrencyLoad(concurrency=conc), Bounds(requests=n, timeout_s=120))
+                    if peer:  # a Rust router names no replica: each engine's finished requests
+                        after = await asyncio.gather(*(asyncio.to_thread(engine_requests, u) for u in engine_urls))
+                        for u, b, a in zip(engine_urls, before, after):
+                            st["per_engine"][u] += a - b
                     ok = sorted((r for r in records if r.ok and not r.warmup), key=lambda r: r.start_s)
                     st["records"] += ok
                     # A closed-loop phase opens with `conc` requests sent at once onto idle engines;
@@ -236,17 +303,21 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
     print(f"real: engines hold {engine.kv_capacity_blocks} KV blocks each", flush=True)
     for conc in loads:
         clear_bench_index()
-        gateways: dict[str, GatewayProcess] = {}
+        gateways: dict[str, GatewayProcess | PeerRouter] = {}
         try:
             for i, policy in enumerate(policies):
+                if is_peer(policy):
+                    gateways[policy] = PeerRouter(policy, engines, workdir)
+                    continue
                 # Each gateway in its own process: the load tester must not share a GIL with the
                 # gateways' tokenization. Distinct replica names: they share one Redis DB.
                 config = two_replica_config(policy, engines, model_path, tag=str(i),
                                             data_dir=str(workdir / f"c{conc}-{policy}"))
                 gateways[policy] = GatewayProcess(config, workdir)
             time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
+            urls = [url for url, _ in engines]
             state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed,
-                                             tenants, [url for url, _ in engines] if cold_phases else []))
+                                             tenants, urls if cold_phases else [], urls))
         finally:
             for gw in gateways.values():
                 gw.stop()
@@ -257,6 +328,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             counts: dict[str, int] = {}
             for r in records:
                 counts[r.replica or "?"] = counts.get(r.replica or "?", 0) + 1
+            if is_peer(policy):
+                counts = {f"engine-{i}": round(n) for i, n in enumerate(st["per_engine"].values())}
             predicted = [r.predicted_cached_tokens or 0 for r in records]
             if records_path:
                 with open(records_path, "ab") as f:
@@ -266,7 +339,9 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             sim_parts: list[PolicyResult] = []
             for part in st["parts"]:
                 phases = [part["n"] // rounds + (1 if k < part["n"] % rounds else 0) for k in range(rounds)]
-                name, overrides = parse_policy(policy)
+                # A Rust router's policy has no twin: round robin's run gives the oracle (which depends
+                # on the requests, not on the policy); its prediction is left out.
+                name, overrides = ("round_robin", {}) if is_peer(policy) else parse_policy(policy)
                 router = msgspec.convert({"policy": name, **overrides}, RouterConfig, strict=False)
                 sim_cfg = SimConfig(policy=name, router=router, replicas=2, arrival="concurrency", concurrency=conc,
                                     requests=part["n"], phases=[n for n in phases if n > 0], seed=seed,
@@ -300,8 +375,12 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 "sim_ttft_p90_ms": max(p.ttft_p90_s for p in sim_parts) * 1000,
                 "tenants": tenants, "kv_capacity_blocks": engine.kv_capacity_blocks, "cold_phases": cold_phases,
             }
+            if is_peer(policy):
+                row.update(predicted_cached_tokens=None, sim_cached_ratio=None, sim_ratio_to_oracle=None,
+                           sim_ttft_p90_ms=None, version=gateways[policy].version)
             rows.append(row)
-            print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {row['sim_cached_ratio']:.1%}, "
+            sim = f"{row['sim_cached_ratio']:.1%}" if row["sim_cached_ratio"] is not None else "-"
+            print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {sim}, "
                   f"oracle {oracle_ratio:.1%}) prompt tokens real/sim {prompt}/{sim_prompt} "
                   f"ttft p50/p90 {row['ttft_p50_ms']:.0f}/{row['ttft_p90_ms']:.0f} ms "
                   f"{row['throughput_rps']:.2f} req/s load {counts}", flush=True)
@@ -504,6 +583,9 @@ def plot(real: list[dict], sim: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not sim:  # a real run alone: cached / oracle and TTFT p90 per policy against load
+        plot_real(real, path)
+        return
     fig, axes = plt.subplots(1, 5, figsize=(26, 5))
     ax = axes[4]
     extra = sorted({r["policy"] for r in real} - set(POLICIES))
@@ -522,7 +604,7 @@ def plot(real: list[dict], sim: list[dict], path: Path) -> None:
             for r in (x for x in real if x["concurrency"] == c):
                 labels.append(f"{r['policy']}\nc={c}")
                 meas.append(r["cached_ratio"] * 100)
-                pred.append(r["sim_cached_ratio"] * 100)
+                pred.append((r["sim_cached_ratio"] or 0) * 100)  # a Rust router's policy has no twin
                 orac.append(r["oracle_ratio"] * 100)
         xs = range(len(labels))
         ax.bar([x - 0.2 for x in xs], meas, 0.4, label="real (usage.cached_tokens)")
@@ -549,10 +631,34 @@ def plot(real: list[dict], sim: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_real(real: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    policies = list(dict.fromkeys(r["policy"] for r in real))
+    for ax, key, label, scale in ((axes[0], "ratio_to_oracle", "cached tokens / oracle (%)", 100),
+                                  (axes[1], "ttft_p90_ms", "TTFT p90 (ms)", 1),
+                                  (axes[2], "load_max_over_mean", "max/mean requests per engine", 1)):
+        for policy in policies:
+            pts = sorted((r["concurrency"], r[key] * scale) for r in real if r["policy"] == policy)
+            ax.plot(*zip(*pts), marker="o", label=policy)
+        goal = {"ratio_to_oracle": 95, "load_max_over_mean": 1.25}.get(key)
+        if goal:
+            ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}")
+        ax.set_xlabel("closed-loop concurrency")
+        ax.set_title(f"2 real engines: {label}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def html_table(real: list[dict], sim: list[dict], image: str = "routing.png") -> str:
     def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
         head = "".join(f"<th>{h}</th>" for h, _, _ in cols)
-        body = "".join("<tr>" + "".join(f"<td>{format(r[k], f) if f else r[k]}</td>" for _, k, f in cols) + "</tr>"
+        body = "".join("<tr>" + "".join(f"<td>{'—' if r[k] is None else format(r[k], f) if f else r[k]}</td>"
+                                        for _, k, f in cols) + "</tr>"
                        for r in rows)
         return f"<table><tr>{head}</tr>{body}</table>"
 
