@@ -41,13 +41,13 @@ class RouterConfig(msgspec.Struct, frozen=True):
     """Knobs the built-in parts read (see cache/scorers.py for each one's meaning)."""
     policy: str = "cache_aware"
     overlap_weight: float = 1.0
-    queued_request_blocks: float = 4.0
-    spill_factor: float = 1.5
+    queued_request_blocks: float = 2.0
+    spill_factor: float = 2.0
     spill_slack: float = 2.0
     share_factor: float = 1.15
     share_keep_blocks: int = 16
     share_slack: float = 4.0
-    pending_weight: float = 0.5
+    pending_weight: float = 0.25
     share_weight: float = 4.0
     speculate_max_temperature: float = 0.0
     default_temperature: float = 1.0

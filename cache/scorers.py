@@ -115,7 +115,7 @@ class HotspotFilter:
     """Drops replicas whose load exceeds ``factor * mean + slack``: however hot a
     prefix is, its replica stops attracting work once it runs far above the fleet."""
 
-    def __init__(self, factor: float = 1.5, slack: float = 2.0) -> None:
+    def __init__(self, factor: float = 2.0, slack: float = 2.0) -> None:
         self.factor = factor
         self.slack = slack
 
@@ -210,8 +210,8 @@ class KVCostScorer:
     already taking more than its share needs a real saving, not a one-block header, to win.
     """
 
-    def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 4.0,
-                 pending_weight: float = 0.5, share_weight: float = 4.0) -> None:
+    def __init__(self, overlap_weight: float = 1.0, queued_request_blocks: float = 2.0,
+                 pending_weight: float = 0.25, share_weight: float = 4.0) -> None:
         self.overlap_weight = overlap_weight
         self.queued_request_blocks = queued_request_blocks
         self.pending_weight = pending_weight

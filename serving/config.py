@@ -198,8 +198,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
     # with load > spill_factor * mean + spill_slack are skipped (see cache/routing.py).
     overlap_weight: float = 1.0
-    queued_request_blocks: float = 4.0
-    spill_factor: float = 1.5
+    queued_request_blocks: float = 2.0
+    spill_factor: float = 2.0
     spill_slack: float = 2.0
     # ...and replicas past max(share_factor * mean, mean + share_slack) of recent picks, unless
     # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home).
@@ -207,7 +207,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     share_slack: float = 4.0
     share_keep_blocks: int = 16
     # Prefill routed to a replica whose first token is not back yet counts this much per block.
-    pending_weight: float = 0.5
+    pending_weight: float = 0.25
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
     share_weight: float = 4.0
     # A tier whose replicas (plain, same model) also take this tier's requests that speculation
