@@ -16,7 +16,8 @@ Reports (JSON, markdown table, PNG in benchmarks/results/gateway_overhead*):
   CPU-bound request rate per core, independent of the load generator's own limit)
 - per-chunk added latency for streams (ITL difference), 1,000 concurrent streams (errors)
 - yieldgate RSS after 20k and 100k requests (quick mode: 4k and 20k)
-- yieldgate with each switchable feature turned off.
+- yieldgate with each switchable feature turned off, and the floor: uvicorn and yieldgate's upstream
+  client with nothing else (benchmarks/python_floor.py), what the stack costs before yieldgate's work.
 
 The peers are pinned versions, each installed with pip into a venv of its own under
 ~/.cache/yieldgate/bench-venvs (YIELDGATE_BENCH_VENVS; created on first use, then reused): LiteLLM,
@@ -253,6 +254,30 @@ class Yieldgate:
                                               "content-type": "application/json"}, method="POST")
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())["secret"]
+
+    @property
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def close(self) -> None:
+        stop(self.proc)
+
+
+class PythonFloor:
+    """benchmarks/python_floor.py: uvicorn and yieldgate's upstream client with nothing else, over
+    the same two replicas; what the stack costs before any of yieldgate's work."""
+
+    def __init__(self, upstream: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = None
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, str(ROOT / "benchmarks" / "python_floor.py"),
+                                      str(self.port), upstream, upstream], cwd=ROOT)
+        try:
+            wait_http(self.url + "/health", 30, self.proc)
+        except BaseException:
+            stop(self.proc)
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -713,13 +738,14 @@ def markdown(results: dict[str, Any]) -> str:
                   f"(goal < 5%); errors {rss['errors']}."]
     var = results.get("variants") or {}
     if var:
-        lines += ["", "## yieldgate features switched off (500 RPS)", "",
+        lines += ["", "## yieldgate features switched off, and the floor (500 RPS)", "",
                   "| variant | added p50 | added p99 | CPU µs/req | CPU-bound RPS/core |", "|---|---|---|---|---|"]
         base = results["targets"]["direct"]["fixed_500"]
         for name, r in var.items():
             row = r["fixed_500"]
             cpu = row.get("gateway_cpu_us_per_request")
-            lines.append(f"| {name} ({VARIANTS[name]}) | {_f(_dist(row, 'e2e_ms', 'p50') - _dist(base, 'e2e_ms', 'p50'))} | "
+            what = VARIANTS.get(name) or "benchmarks/python_floor.py: uvicorn + the upstream client, nothing else"
+            lines.append(f"| {name} ({what}) | {_f(_dist(row, 'e2e_ms', 'p50') - _dist(base, 'e2e_ms', 'p50'))} | "
                          f"{_f(_dist(row, 'e2e_ms', 'p99') - _dist(base, 'e2e_ms', 'p99'))} | {_f(cpu, 0)} | "
                          f"{_f(1e6 / cpu if cpu else None, 0)} |")
         lines += ["", "Cost pricing has no switch (the response carries the cost): it is on in every variant."]
@@ -834,6 +860,14 @@ def main() -> None:
                     results["variants"][variant] = {r["name"]: r for r in rows}
                 finally:
                     g.close()
+            floor = PythonFloor(up_url)  # what the stack costs before any of yieldgate's work
+            try:
+                print("== python floor", flush=True)
+                phases = [ph for ph in plan(mode, [], streams=False) if ph["name"] in ("warmup", "fixed_500")]
+                rows = run_phases(target(floor.url, None), phases, floor.pids, workdir)
+                results["variants"]["floor"] = {r["name"]: r for r in rows}
+            finally:
+                floor.close()
         if not a.skip_routers and not a.litellm_only:
             for name in ROUTERS:
                 router = RustRouter(name, up_url, workdir)

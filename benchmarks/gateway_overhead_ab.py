@@ -3,7 +3,8 @@
     python benchmarks/gateway_overhead_ab.py [--rate 500 --seconds 40 --rounds 3 --variants full,no_tokenize,no_metrics]
     python benchmarks/gateway_overhead_ab.py --variants full,full@base --code base=/work/base
 
-A variant may also be a Rust router (`vllm-router`, `smg`, run as gateway_overhead.py runs them).
+A variant may also be a Rust router (`vllm-router`, `smg`, run as gateway_overhead.py runs them), or
+`floor`: uvicorn and yieldgate's upstream client with nothing else (benchmarks/python_floor.py).
 A variant `NAME@LABEL` runs the gateway of another checkout (`--code LABEL=PATH`, e.g. a git worktree of
 the commit before a change), so two code versions are compared side by side in one run.
 
@@ -88,6 +89,9 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, c
         go.cleanup_redis()
         if variant == "direct":
             url, key, pids = f"http://127.0.0.1:{port}", None, [upstream.pid]
+        elif variant == "floor":  # the stack alone (benchmarks/python_floor.py)
+            gateway = go.PythonFloor(f"http://127.0.0.1:{port}")
+            url, key, pids = gateway.url, None, gateway.pids
         elif variant in go.ROUTERS:  # a Rust router, as gateway_overhead.py runs it
             gateway = go.RustRouter(variant, f"http://127.0.0.1:{port}", work)
             url, key, pids = gateway.url, None, gateway.pids
@@ -135,7 +139,7 @@ def main() -> None:
     code = {label: Path(path).resolve() for label, _, path in (c.partition("=") for c in a.code)}
     for v in variants:
         name, _, label = v.partition("@")
-        if v != "direct" and name not in go.VARIANTS and name not in go.ROUTERS:
+        if v not in ("direct", "floor") and name not in go.VARIANTS and name not in go.ROUTERS:
             p.error(f"unknown variant {name!r}; have {', '.join(go.VARIANTS)}")
         if label and not (code.get(label, Path("/nonexistent")) / "gateway" / "cli.py").exists():
             p.error(f"variant {v!r}: give the checkout with --code {label}=PATH")
