@@ -75,16 +75,17 @@ def test_repeated_prefix_lands_on_one_replica_and_prediction_matches_usage(stack
 
 def test_hot_prefix_spills_to_the_other_replica(stack, gateway_factory, redis_url, names):
     gw = gateway_factory(both_engines_one_tier(stack, redis_url, names))
-    # ~650 tokens = 20 cached blocks: worth about 5 queued requests in the router's cost.
+    # ~650 tokens = 20 cached blocks: worth about 10 queued requests in the router's cost
+    # (queued_request_blocks 2), so the burst keeps well over 10 in flight on the prefix's home.
     system = prefix_text(300)
     home = ask(gw.url, system, "warm up").headers["x-yieldgate-replica"]
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             return await asyncio.gather(*(client.post(gw.url + "/v1/chat/completions", json={
-                "model": "demo", "max_tokens": 48, "stream": False,
+                "model": "demo", "max_tokens": 96, "stream": False,
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]})
-                for i in range(12)))
+                for i in range(24)))
 
     results = asyncio.run(burst())
     assert all(r.status_code == 200 for r in results)
