@@ -220,7 +220,28 @@ prefix = "{KEY_PREFIX}"
 """
 
 
-class Yieldgate:
+class Target:
+    """A gateway under test: one process (and its children) on the gateway core."""
+
+    proc: subprocess.Popen
+
+    def _wait_up(self, url: str, timeout: float) -> None:
+        """Until `url` answers; a target that never comes up must not outlive the run."""
+        try:
+            wait_http(url, timeout, self.proc)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return descendants(self.proc.pid)
+
+    def close(self) -> None:
+        stop(self.proc)
+
+
+class Yieldgate(Target):
     def __init__(self, upstream: str, workdir: Path, variant: str, code: Path = ROOT):
         """`code`: the checkout whose gateway runs (another worktree, to compare code versions)."""
         self.port = free_port()
@@ -239,11 +260,7 @@ class Yieldgate:
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, str(python), "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
-        try:
-            wait_http(self.url + "/healthz", 60, self.proc)
-        except BaseException:
-            stop(self.proc)  # a gateway that never came up must not outlive the run
-            raise
+        self._wait_up(self.url + "/healthz", 60)
         self.api_key: str | None = None
         if v["require_keys"]:
             self.api_key = self._create_key()
@@ -255,15 +272,8 @@ class Yieldgate:
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())["secret"]
 
-    @property
-    def pids(self) -> list[int]:
-        return descendants(self.proc.pid)
 
-    def close(self) -> None:
-        stop(self.proc)
-
-
-class PythonFloor:
+class PythonFloor(Target):
     """benchmarks/python_floor.py: uvicorn and yieldgate's upstream client with nothing else, over
     the same two replicas; what the stack costs before any of yieldgate's work."""
 
@@ -273,18 +283,7 @@ class PythonFloor:
         self.api_key = None
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, PY, str(ROOT / "benchmarks" / "python_floor.py"),
                                       str(self.port), upstream, upstream], cwd=ROOT)
-        try:
-            wait_http(self.url + "/health", 30, self.proc)
-        except BaseException:
-            stop(self.proc)
-            raise
-
-    @property
-    def pids(self) -> list[int]:
-        return descendants(self.proc.pid)
-
-    def close(self) -> None:
-        stop(self.proc)
+        self._wait_up(self.url + "/health", 30)
 
 
 # -- peers, each in a venv of its own --------------------------------------------------------------------
@@ -307,7 +306,7 @@ def installed_version(venv: Path, dist: str) -> str:
 
 # -- LiteLLM ---------------------------------------------------------------------------------------------
 
-class LiteLLM:
+class LiteLLM(Target):
     def __init__(self, upstream: str, workdir: Path):
         venv = bench_venv(LITELLM_SPEC)
         exe = venv / "bin" / "litellm"
@@ -341,11 +340,7 @@ general_settings:
             ["taskset", "-c", GATEWAY_CORE, str(exe), "--config", str(cfg), "--host", "127.0.0.1",
              "--port", str(self.port), "--num_workers", "1"],
             cwd=d, env=env, stdout=open(d / "litellm.log", "wb"), stderr=subprocess.STDOUT)
-        wait_http(self.url + "/health/liveliness", 180, self.proc)
-
-    @property
-    def pids(self) -> list[int]:
-        return descendants(self.proc.pid)
+        self._wait_up(self.url + "/health/liveliness", 180)
 
     def close(self) -> None:
         # LiteLLM's worker processes can outlive their parent and keep core 1 busy, which made
@@ -371,7 +366,7 @@ ROUTERS: dict[str, dict[str, Any]] = {
 }
 
 
-class RustRouter:
+class RustRouter(Target):
     def __init__(self, name: str, upstream: str, workdir: Path):
         spec = ROUTERS[name]
         venv = bench_venv(spec["spec"])
@@ -389,18 +384,7 @@ class RustRouter:
                 "--log-level", spec["log_level"]]
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, *argv], cwd=d, stdin=subprocess.DEVNULL,
                                      stdout=open(d / "router.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            wait_http(self.url + "/health", 60, self.proc)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def pids(self) -> list[int]:
-        return descendants(self.proc.pid)
-
-    def close(self) -> None:
-        stop(self.proc)
+        self._wait_up(self.url + "/health", 60)
 
 
 # -- the load worker (its own process) ----------------------------------------------------------------
