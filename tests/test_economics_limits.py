@@ -114,7 +114,10 @@ def test_budget_shared_by_two_gateways_holds_under_concurrency(stack, redis_url,
                 break
             time.sleep(0.2)
         assert sum(r["requests"] for r in rows) == len(served)
-        assert all(r["requests"] > 0 for r in rows) and len(rows) == 2
+        # One ledger row per gateway that served any (which one wins the budget's reservations is
+        # a race: on a loaded machine one gateway can take them all).
+        serving = {r.headers["x-yieldgate-gateway"] for r in served}
+        assert all(r["requests"] > 0 for r in rows) and len(rows) == len(serving)
         # Redis agrees once every settle landed: nothing reserved, spent == billed (nano-USD ceil).
         deadline = time.monotonic() + 20
         while True:
