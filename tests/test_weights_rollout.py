@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -166,13 +165,9 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
     failed = [s for s in seen if s[3] != 200]
     assert not failed, failed[:5]
     assert set(versions(admin).values()) == {NEW}
-    # Requests were answered while the push ran, by both versions: one tier's replica was on the
-    # new weights while the other still served the old ones.
+    # Served throughout: answers came back while the push ran.
     during = [s for s in seen if window[0] <= s[0] <= window[1]]
-    assert {s[2] for s in during} == {"base", NEW}, (
-        f"push {window[1] - window[0]:.1f} s; answers during it by (replica, version): "
-        f"{Counter((s[1], s[2]) for s in during)}; first {NEW} answer "
-        f"{min((s[0] for s in seen if s[2] == NEW), default=float('nan')) - window[1]:+.1f} s after the push")
+    assert during, f"no answer during the {window[1] - window[0]:.1f} s push"
     # The label is the truth: each response's text is that of the weights it names.
     expected = {"base": base_text, NEW: snapshot_texts(stack)}
     assert expected[NEW] != base_text
@@ -187,6 +182,13 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
     assert state["state"] == "succeeded" and state["version"] == NEW
     events = [e["event"] for e in state["timeline"]]
     assert events.count("admitted") == len(stack.engines)
+    # It rolled: the other replica left routing only once the first was back on the new weights,
+    # so one tier's replica served NEW while the other still served base. (Whether an answer
+    # lands in that gap is a race; the order is not.)
+    order = [(e["event"], e["replica"]) for e in state["timeline"] if e["event"] in ("drain", "admitted")]
+    first = order[0][1]
+    assert order[:2] == [("drain", first), ("admitted", first)], order
+    assert [event for event, replica in order[2:]] == ["drain", "admitted"] and order[2][1] != first, order
     # Every engine runs the plugin, so the trainer streamed to each one directly (fan-out).
     assert events.count("staging") == len(stack.engines) and "staged" not in events
     assert len(report.engines) == len(stack.engines) + 1  # + the gateway's checkpoint copy
