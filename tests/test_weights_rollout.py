@@ -187,8 +187,10 @@ def test_push_through_gateway_rolls_under_load(stack, admin, story, base_weights
     # lands in that gap is a race; the order is not.)
     order = [(e["event"], e["replica"]) for e in state["timeline"] if e["event"] in ("drain", "admitted")]
     first = order[0][1]
-    assert order[:2] == [("drain", first), ("admitted", first)], order
-    assert [event for event, replica in order[2:]] == ["drain", "admitted"] and order[2][1] != first, order
+    back = order.index(("admitted", first))
+    assert {replica for _, replica in order[:back]} == {first}, order
+    assert ("drain", first) not in order[back:] and any(
+        event == "drain" and replica != first for event, replica in order[back:]), order
     # Every engine runs the plugin, so the trainer streamed to each one directly (fan-out).
     assert events.count("staging") == len(stack.engines) and "staged" not in events
     assert len(report.engines) == len(stack.engines) + 1  # + the gateway's checkpoint copy
