@@ -367,24 +367,31 @@ ROUTERS: dict[str, dict[str, Any]] = {
 
 
 class RustRouter(Target):
-    def __init__(self, name: str, upstream: str, workdir: Path):
+    """A pinned Rust router from its own venv, on loopback, in front of `upstreams` (the same
+    upstream twice in the overhead benchmark: two workers behind one engine). `pin`: on the
+    gateway core, like every target here; the routing benchmark leaves it unpinned."""
+
+    def __init__(self, name: str, upstreams: list[str], workdir: Path, policy: str = "round_robin",
+                 pin: bool = True):
         spec = ROUTERS[name]
         venv = bench_venv(spec["spec"])
         self.version = installed_version(venv, name)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = None
-        d = workdir / name
+        d = workdir / f"{name}-{policy}-{self.port}"
         d.mkdir(parents=True, exist_ok=True)
+        self.log_path = d / "router.log"
         # Every listener on loopback: the router and its Prometheus exporter (smg binds that one
         # to 0.0.0.0 unless told).
         argv = [str(venv / "bin" / name), *spec["argv"], "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", upstream, upstream, "--policy", "round_robin",
+                "--worker-urls", *upstreams, "--policy", policy,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--log-level", spec["log_level"]]
-        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, *argv], cwd=d, stdin=subprocess.DEVNULL,
-                                     stdout=open(d / "router.log", "wb"), stderr=subprocess.STDOUT)
-        self._wait_up(self.url + "/health", 60)
+        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, *argv] if pin else argv, cwd=d,
+                                     stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
+                                     stderr=subprocess.STDOUT)
+        self._wait_up(self.url + "/health", 120)
 
 
 # -- the load worker (its own process) ----------------------------------------------------------------
@@ -854,7 +861,7 @@ def main() -> None:
                 floor.close()
         if not a.skip_routers and not a.litellm_only:
             for name in ROUTERS:
-                router = RustRouter(name, up_url, workdir)
+                router = RustRouter(name, [up_url, up_url], workdir)
                 results.setdefault("versions", {})[name] = router.version
                 try:
                     results["targets"][name] = run_target(name, router.url, None, router.pids, mode, workdir, SWEEP)

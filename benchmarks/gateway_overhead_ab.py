@@ -93,7 +93,7 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, c
             gateway = go.PythonFloor(f"http://127.0.0.1:{port}")
             url, key, pids = gateway.url, None, gateway.pids
         elif variant in go.ROUTERS:  # a Rust router, as gateway_overhead.py runs it
-            gateway = go.RustRouter(variant, f"http://127.0.0.1:{port}", work)
+            gateway = go.RustRouter(variant, [f"http://127.0.0.1:{port}"] * 2, work)
             url, key, pids = gateway.url, None, gateway.pids
         else:
             name, _, label = variant.partition("@")

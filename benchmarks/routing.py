@@ -109,39 +109,17 @@ def is_peer(policy: str) -> bool:
     return ":" in policy
 
 
-class PeerRouter:
+def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
     """A Rust router in front of the engines: the pinned version from gateway_overhead.py, in its
     own venv, on loopback; it does not say which engine served a request, so the benchmark counts
     each engine's finished requests around every phase instead."""
+    import gateway_overhead  # benchmarks/, next to this script: the Rust routers' pinned venvs
 
-    def __init__(self, policy: str, engines: list[tuple[str, str]], workdir: Path):
-        import subprocess
-
-        import gateway_overhead  # benchmarks/, next to this script: the Rust routers' pinned venvs
-
-        router, _, name = policy.partition(":")
-        spec = gateway_overhead.ROUTERS[router]
-        venv = gateway_overhead.bench_venv(spec["spec"])
-        self.version = gateway_overhead.installed_version(venv, router)
-        self.port = gateway_overhead.free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [str(venv / "bin" / router), *spec["argv"], "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *(url for url, _ in engines), "--policy", name,
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(gateway_overhead.free_port()),
-                "--log-level", spec["log_level"]]
-        self.log_path = workdir / f"{router}-{name}-{self.port}.log"
-        self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
-                                        stderr=subprocess.STDOUT)
-        try:
-            gateway_overhead.wait_http(self.url + "/health", 120, self.process)
-        except BaseException:
-            self.stop()
-            raise SystemExit(f"{policy} did not start:\n{self.log_path.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        import gateway_overhead
-
-        gateway_overhead.stop(self.process)
+    router, _, name = policy.partition(":")
+    try:
+        return gateway_overhead.RustRouter(router, [url for url, _ in engines], workdir, policy=name, pin=False)
+    except RuntimeError as exc:
+        raise SystemExit(f"{policy} did not start: {exc}") from None
 
 
 def engine_requests(url: str) -> float:
@@ -238,7 +216,7 @@ def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, se
             "p_not_worse": sum(d <= 0 for d in diffs) / resamples}
 
 
-async def _interleaved(gateways: dict[str, GatewayProcess | PeerRouter], conc: int, sizes: list[int], rounds: int,
+async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], rounds: int,
                        seed: int, tenants: int, reset_urls: list[str], engine_urls: list[str]) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
     take turns round by round, so the shared machine's drift hits them alike."""
@@ -267,7 +245,7 @@ async def _interleaved(gateways: dict[str, GatewayProcess | PeerRouter], conc: i
                     if reset_urls:  # --cold-phases: every phase starts on empty engine caches
                         await asyncio.gather(*(asyncio.to_thread(_reset_prefix_cache, u) for u in reset_urls))
                         await asyncio.sleep(0.3)  # the AllBlocksCleared events reach the gateways
-                    peer = isinstance(gateways[policy], PeerRouter)
+                    peer = is_peer(policy)
                     if peer:
                         before = await asyncio.gather(*(asyncio.to_thread(engine_requests, u) for u in engine_urls))
                     _, records, duration = await part["runner"].run_phase(
@@ -303,11 +281,11 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
     print(f"real: engines hold {engine.kv_capacity_blocks} KV blocks each", flush=True)
     for conc in loads:
         clear_bench_index()
-        gateways: dict[str, GatewayProcess | PeerRouter] = {}
+        gateways: dict[str, Any] = {}  # GatewayProcess or a Rust router
         try:
             for i, policy in enumerate(policies):
                 if is_peer(policy):
-                    gateways[policy] = PeerRouter(policy, engines, workdir)
+                    gateways[policy] = peer_router(policy, engines, workdir)
                     continue
                 # Each gateway in its own process: the load tester must not share a GIL with the
                 # gateways' tokenization. Distinct replica names: they share one Redis DB.
@@ -319,8 +297,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed,
                                              tenants, urls if cold_phases else [], urls))
         finally:
-            for gw in gateways.values():
-                gw.stop()
+            for policy, gw in gateways.items():
+                (gw.close if is_peer(policy) else gw.stop)()
             clear_bench_index()
         for policy in policies:
             st = state[policy]
