@@ -35,10 +35,9 @@ model's; same tokenizer): --up examples/routing-fleet-kv192.toml (192 blocks per
 routing (the headline real run, the default --out): that fleet with 6 tenants and 480 requests per policy and
 load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% are, and a p90 is then
 a cold request's TTFT whatever the policy):
-    yieldgate up -c examples/routing-fleet-kv192.toml
-    python benchmarks/routing.py --no-sim --tenants 6 --shared-requests 360 --agent-requests 120 \
-        --rounds 6 --cold-phases --policies round_robin,cache_aware,vllm-router:cache_aware,smg:cache_aware \
-        --fast-kv ipc://$YIELDGATE_HOME/run/kv-events-standard-1.sock --out benchmarks/results/routing
+    python benchmarks/routing.py --up examples/routing-fleet-kv192.toml --no-sim --tenants 6 \
+        --shared-requests 360 --agent-requests 120 --rounds 6 --cold-phases --loads 4,6 \
+        --policies round_robin,cache_aware,vllm-router:cache_aware,smg:cache_aware --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
 routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
 `--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.

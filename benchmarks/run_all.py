@@ -340,7 +340,7 @@ BENCHMARKS = [
     Benchmark("routing", "routing, 2 real engines: cached tokens / oracle",
               "≥ 95% and ≥ the Rust routers'; TTFT never worse; ≤ 1.25",
               "`python benchmarks/routing.py` ([command](docs/benchmarks.md#routing))", routing_real,
-              run=["benchmarks/routing.py", "--no-sim", "--tenants", "6", "--shared-requests", "360",
+              run=["benchmarks/routing.py", "--no-sim", "--tenants", "6", "--shared-requests", "360", "--loads", "4,6",
                    "--agent-requests", "120", "--rounds", "6", "--cold-phases", "--policies",
                    "round_robin,cache_aware,vllm-router:cache_aware,smg:cache_aware",
                    "--fast-kv", "ipc://{home}/run/kv-events-standard-1.sock", "--out", "benchmarks/results/routing"],
@@ -473,6 +473,10 @@ def stack(config: str) -> Iterator[Path]:
     home = Path(tempfile.mkdtemp(prefix="yieldgate-bench-home-"))
     server = tomllib.loads((ROOT / config).read_text()).get("server", {}) if config else {}
     ready = f"http://{server.get('host', '127.0.0.1')}:{server.get('port', 8000)}/readyz"
+    if http_ok(ready):
+        # Another stack on these ports would pass the readiness check below, and the benchmark
+        # would measure its engines (another model, other KV limits) under this config's name.
+        raise SystemExit(f"something already answers at {ready}: stop it before running {config}")
     env = dict(os.environ, YIELDGATE_HOME=str(home))
     proc = subprocess.Popen([PY, "-m", "yieldgate.gateway.cli", "up", *(["--config", str(ROOT / config)] if config else [])],
                             cwd=ROOT, env=env, stdout=open(home / "up.log", "wb"), stderr=subprocess.STDOUT,
