@@ -391,7 +391,10 @@ class RustRouter(Target):
         self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, *argv] if pin else argv, cwd=d,
                                      stdin=subprocess.DEVNULL, stdout=open(self.log_path, "wb"),
                                      stderr=subprocess.STDOUT)
-        self._wait_up(self.url + "/health", 120)
+        try:
+            self._wait_up(self.url + "/health", 120)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; {name}'s log ends:\n{self.log_path.read_text()[-3000:]}") from None
 
 
 # -- the load worker (its own process) ----------------------------------------------------------------
