@@ -125,10 +125,12 @@ def engine_requests(url: str) -> float:
     """Requests the engine has finished (vLLM's request_success_total, every finish reason)."""
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return sum(s.value for family in text_string_to_metric_families(text) if family.name == "vllm:request_success"
+               for s in family.samples if s.name == "vllm:request_success_total")
 
 
 # The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
@@ -296,8 +298,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             state = asyncio.run(_interleaved(gateways, conc, [shared_requests, agent_requests], rounds, seed,
                                              tenants, urls if cold_phases else [], urls))
         finally:
-            for policy, gw in gateways.items():
-                (gw.close if is_peer(policy) else gw.stop)()
+            for gw in gateways.values():
+                gw.stop()
             clear_bench_index()
         for policy in policies:
             st = state[policy]
