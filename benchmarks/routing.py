@@ -121,6 +121,15 @@ def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
         raise SystemExit(f"{policy} did not start: {exc}") from None
 
 
+def router_cpu_s(gw: Any) -> float:
+    """CPU seconds the router's processes have used so far (a gateway's or a Rust router's): on two
+    cores it is taken from the engines, so it shows up in their TTFTs."""
+    import gateway_overhead
+
+    pids = gw.pids if isinstance(gw, gateway_overhead.RustRouter) else gateway_overhead.descendants(gw.process.pid)
+    return gateway_overhead.cpu_seconds(pids)
+
+
 def engine_requests(url: str) -> float:
     """Requests the engine has finished (vLLM's request_success_total, every finish reason)."""
     import urllib.request
@@ -234,7 +243,7 @@ async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], ro
             await runner.__aenter__()
             runners.append(runner)
             parts.append({"workload": workload, "n": n, "salt": salt.value, "runner": runner})
-        state[policy] = {"parts": parts, "records": [], "steady": [], "duration": 0.0,
+        state[policy] = {"parts": parts, "records": [], "steady": [], "duration": 0.0, "cpu_s": 0.0,
                          "per_engine": dict.fromkeys(engine_urls, 0.0)}
     try:
         for k in range(rounds):
@@ -249,8 +258,10 @@ async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], ro
                     peer = is_peer(policy)
                     if peer:
                         before = await asyncio.gather(*(asyncio.to_thread(engine_requests, u) for u in engine_urls))
+                    cpu0 = router_cpu_s(gateways[policy])
                     _, records, duration = await part["runner"].run_phase(
                         ConcurrencyLoad(concurrency=conc), Bounds(requests=n, timeout_s=120))
+                    st["cpu_s"] += router_cpu_s(gateways[policy]) - cpu0
                     if peer:  # a Rust router names no replica: each engine's finished requests
                         after = await asyncio.gather(*(asyncio.to_thread(engine_requests, u) for u in engine_urls))
                         for u, b, a in zip(engine_urls, before, after):
@@ -345,6 +356,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
                 "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
                 "ttft_p90_steady_ms": percentile(st["steady"], 90),
                 "throughput_rps": len(records) / st["duration"] if st["duration"] else 0.0,
+                "router_cpu_us_per_request": st["cpu_s"] / len(records) * 1e6 if records else None,
                 "requests_per_replica": counts,
                 "load_max_over_mean": max(counts.values()) / mean if counts and mean else 1.0,
                 "predicted_cached_tokens": sum(predicted),
@@ -362,7 +374,8 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
             print(f"real c={conc} {policy:<13} cached {row['cached_ratio']:.1%} (sim {sim}, "
                   f"oracle {oracle_ratio:.1%}) prompt tokens real/sim {prompt}/{sim_prompt} "
                   f"ttft p50/p90 {row['ttft_p50_ms']:.0f}/{row['ttft_p90_ms']:.0f} ms "
-                  f"{row['throughput_rps']:.2f} req/s load {counts}", flush=True)
+                  f"{row['throughput_rps']:.2f} req/s load {counts} "
+                  f"router CPU {row['router_cpu_us_per_request'] or 0:.0f} us/request", flush=True)
         base = state.get("round_robin")
         for row in rows[-len(policies):]:
             if base is None or row["policy"] == "round_robin":
