@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from yieldgate.cache import (
     BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router, RouterConfig,
-    SharedPrefixIndex, UnknownPolicy,
+    SharedPrefixIndex, UnknownPolicy, lora_extra_keys,
 )
 
 
@@ -33,13 +33,13 @@ def tokens(prefix: int, n_blocks: int, suffix: int = 0) -> list[int]:
     return [(prefix * 7919 + i) % 1000 + 4 for i in range(32 * n_blocks)] + [5 + suffix] * 10
 
 
-def engine_chain(token_ids: list[int], seed: str = "0") -> list[int]:
-    """vLLM's chained block hashes, written out: SHA-256 of the pickled (parent, block, None)."""
+def engine_chain(token_ids: list[int], seed: str = "0", extra: tuple | None = None) -> list[int]:
+    """vLLM's chained block hashes, written out: SHA-256 of the pickled (parent, block, extra keys)."""
     def h(obj: object) -> bytes:
         return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
     parent, out = h(seed), []
     for start in range(0, len(token_ids) - 31, 32):
-        parent = h((parent, tuple(token_ids[start:start + 32]), None))
+        parent = h((parent, tuple(token_ids[start:start + 32]), extra))
         out.append(int.from_bytes(parent, "big") & (2**64 - 1))
     return out
 
@@ -54,6 +54,25 @@ def test_block_hashes_are_the_engine_chain_for_any_ids_and_from_the_memo() -> No
     assert not any(gc.is_tracked(k) for k in hasher._memo if isinstance(k, bytes))
     assert not any(gc.is_tracked(v) for v in hasher._memo.values())  # kept per new block: untracked
     assert sum(isinstance(k, bytes) for k in hasher._memo) >= 8
+
+
+def test_spans_shared_between_prompts_give_the_engine_chain() -> None:
+    """Prompts sharing a long prefix reuse whole spans of digests from the span memo; every prefix
+    length, tail and LoRA salt still gives the engine's chain, and the memo's keys and values are
+    bytes the garbage collector does not track."""
+    from yieldgate.cache.blocks import _SPAN
+
+    hasher = BlockHasher()
+    base = tokens(3, 4 * _SPAN + 3)
+    for cut in (0, 31, 32, 32 * _SPAN - 1, 32 * _SPAN, 32 * _SPAN + 40, 32 * 3 * _SPAN + 5, len(base)):
+        for tail in (1, 2):
+            ids = base[:cut] + [9 + tail] * 70
+            assert hasher.hashes(ids) == engine_chain(ids)
+    assert len(hasher._spans) >= 4
+    assert not any(gc.is_tracked(k) or gc.is_tracked(v) for k, v in hasher._spans.items())
+    lora = lora_extra_keys("ad", "/adapters/ad")
+    for _ in range(2):  # computed, then from the spans
+        assert hasher.hashes(base, extra_keys=lora) == engine_chain(base, extra=lora) != engine_chain(base)
 
 
 def test_a_full_memo_drops_its_oldest_blocks_and_still_hashes_the_engine_chain(monkeypatch) -> None:
