@@ -22,30 +22,30 @@ demo model, every prefix fits everywhere and round robin finds ~93% of the oracl
 The kv192-t16 run caps both engines at 192 blocks (examples/routing-fleet-kv192-tiny.toml, started by
 --up), with 16 tenants, KV events from both engines, and both engines' prefix caches reset before
 every phase (otherwise each policy's phase evicts the others' blocks, and each phase would start on
-another policy's leftovers); one load per invocation, merged (--merge), so no run holds the machine
-for long:
+another policy's leftovers):
     python benchmarks/routing.py --up examples/routing-fleet-kv192-tiny.toml --no-sim --tenants 16 \
-        --shared-requests 360 --agent-requests 180 --rounds 18 --cold-phases --loads 4,6 \
-        --policies round_robin,cache_aware+queued_request_blocks=4+pending_weight=0.5,cache_aware+queued_request_blocks=2+pending_weight=0.25 \
+        --shared-requests 360 --agent-requests 180 --rounds 18 --cold-phases --loads 1,2,3,4,5,6 \
+        --policies round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware \
         --out benchmarks/results/routing-kv192-t16
     python benchmarks/routing.py ... --loads 1 --merge     # the same, another load, into the same file
 routing-kv192-t16-big: the same with a 28 MB generated model (prefill ~0.1 ms per token, 3x the tiny
 model's; same tokenizer): --up examples/routing-fleet-kv192.toml (192 blocks per engine,
-`[fleet.demo_model]` with hidden 384, 4 layers) --prefill-scale 3.
+`[fleet.demo_model]` with hidden 384, 4 layers) --prefill-scale 3; the command is in the file's meta.
 routing (the headline real run, the default --out): that fleet with 6 tenants and 480 requests per policy and
 load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% are, and a p90 is then
 a cold request's TTFT whatever the policy):
     python benchmarks/routing.py --up examples/routing-fleet-kv192.toml --no-sim --tenants 6 \
-        --shared-requests 360 --agent-requests 120 --rounds 6 --cold-phases --loads 4,6 \
-        --policies round_robin,cache_aware,vllm-router:cache_aware,smg:cache_aware --out benchmarks/results/routing
+        --shared-requests 360 --agent-requests 120 --rounds 6 --cold-phases --loads 1,2,4,6 \
+        --policies round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware \
+        --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
 routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
 `--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.
 routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent
 sessions, vs round robin, least loaded and consistent hashing:
     python benchmarks/routing.py --zipf 1.0 --sim-tenants 1000 --sim-kv-blocks 512 --sim-requests 6000 \
-        --rates 100,200,400 --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict \
-        --out benchmarks/results/routing-zipf64
+        --rates 100,200,400 --out benchmarks/results/routing-zipf64 \
+        --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
@@ -482,6 +482,7 @@ def run_sim(policies: list[str], rates: list[float], requests: int, replicas: in
             row = msgspec.to_builtins(r)
             row.pop("requests_per_replica")
             row["rate"] = rate
+            row["policy"] = policy  # with its settings: "cache_aware+overlap_weight=2"
             rows.append(row)
             print(f"sim rate={rate:<5g} {policy:<13} cached {r.cached_ratio:.1%} /oracle {r.ratio_to_oracle:.1%} "
                   f"ttft p50/p90 {r.ttft_p50_s * 1000:.0f}/{r.ttft_p90_s * 1000:.0f} ms {r.throughput_rps:.0f} req/s "
