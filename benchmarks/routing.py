@@ -64,7 +64,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,37 @@ def clear_bench_index(redis_url: str = REDIS_URL) -> None:
             r.hdel("yg:prefix:demo:capacity", *fields)
     finally:
         r.close()
+
+
+@contextmanager
+def own_redis(workdir: Path) -> Iterator[str]:
+    """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
+    prefix-index channel, and each applies the others' writes, work a lone gateway does not do
+    (and that the CPU per request would count)."""
+    import subprocess
+
+    import gateway_overhead
+    import redis
+
+    port = gateway_overhead.free_port()
+    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+                break
+            except redis.RedisError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server on port {port} did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def parse_policy(label: str) -> tuple[str, dict[str, float]]:
@@ -292,16 +323,17 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
         engine_kv_blocks(url) or DEMO_ENGINE.kv_capacity_blocks for url, _ in engines))
     print(f"real: engines hold {engine.kv_capacity_blocks} KV blocks each", flush=True)
     for conc in loads:
-        clear_bench_index()
         gateways: dict[str, Any] = {}  # GatewayProcess or a Rust router
+        redises = ExitStack()
         try:
             for i, policy in enumerate(policies):
                 if is_peer(policy):
                     gateways[policy] = peer_router(policy, engines, workdir)
                     continue
-                # Each gateway in its own process: the load tester must not share a GIL with the
-                # gateways' tokenization. Distinct replica names: they share one Redis DB.
+                # Each gateway in its own process (the load tester must not share a GIL with the
+                # gateways' tokenization) with a Redis of its own, empty: every run starts cold.
                 config = two_replica_config(policy, engines, model_path, tag=str(i),
+                                            redis_url=redises.enter_context(own_redis(workdir)),
                                             data_dir=str(workdir / f"c{conc}-{policy}"))
                 gateways[policy] = GatewayProcess(config, workdir)
             time.sleep(1.5)  # first health check + scrape; KV-event subscribers connect
@@ -311,7 +343,7 @@ def run_real(policies: list[str], loads: list[int], shared_requests: int, agent_
         finally:
             for gw in gateways.values():
                 gw.stop()
-            clear_bench_index()
+            redises.close()
         for policy in policies:
             st = state[policy]
             records = st["records"]
