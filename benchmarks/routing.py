@@ -174,9 +174,13 @@ def own_redis(workdir: Path) -> Iterator[str]:
     import redis
 
     port = gateway_overhead.free_port()
-    proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no", "--dir", str(workdir)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SystemExit("the routing benchmark starts a redis-server per gateway: install Redis "
+                         "(apt-get install redis-server)") from None
     url = f"redis://127.0.0.1:{port}/0"
     try:
         deadline = time.monotonic() + 10
