@@ -142,8 +142,9 @@ def engine_requests(url: str) -> float:
                for s in family.samples if s.name == "vllm:request_success_total")
 
 
-# The gateway always opens Redis; the benchmark keeps its prefix-index keys in its own DB and
-# under its own replica names, and deletes them before each gateway so every run starts cold.
+# The gateway always opens Redis. agent_routing.py and adapter_routing.py keep their gateways'
+# prefix-index keys in this DB under their own replica names, and delete them before each gateway so
+# every run starts cold; this benchmark gives each gateway a Redis of its own (own_redis).
 REDIS_URL = "redis://127.0.0.1:6379/14"
 REPLICA_PREFIX = "rtb-"
 
@@ -168,34 +169,18 @@ def own_redis(workdir: Path) -> Iterator[str]:
     """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
     prefix-index channel, and each applies the others' writes, work a lone gateway does not do
     (and that the CPU per request would count)."""
-    import subprocess
-
     import gateway_overhead
-    import redis
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from multihost import RedisServer  # tests/multihost.py, as benchmarks/multihost.py uses it
 
     port = gateway_overhead.free_port()
+    server = RedisServer(workdir / f"redis-{port}", "127.0.0.1", port)
+    server.start()
     try:
-        proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                                 "--appendonly", "no", "--dir", str(workdir)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SystemExit("the routing benchmark starts a redis-server per gateway: install Redis "
-                         "(apt-get install redis-server)") from None
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-                break
-            except redis.RedisError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"redis-server on port {port} did not start") from None
-                time.sleep(0.1)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def parse_policy(label: str) -> tuple[str, dict[str, float]]:
