@@ -119,8 +119,8 @@ class BlockHasher:
         if packed is None:
             packed = pack_tokens(token_ids)
         done = 0
+        spans, width = self._spans, 4 * bs * _SPAN
         if packed is not None:
-            spans, width = self._spans, 4 * bs * _SPAN
             while done + _SPAN <= n:
                 at = 4 * bs * done
                 run = spans.get(salt + parent + packed[at:at + width])
@@ -147,7 +147,6 @@ class BlockHasher:
             parent = digest
             chain += digest
         if packed is not None:  # the spans this chain computed, for the next request to share
-            spans, width = self._spans, 4 * bs * _SPAN
             for first in range(done, n - _SPAN + 1, _SPAN):
                 before = bytes(chain[(first - 1) * _DIGEST:first * _DIGEST]) if first else self.none_hash
                 if len(spans) >= _MEMO_MAX_SPANS:
