@@ -2,6 +2,7 @@
 
     python benchmarks/gateway_overhead_ab.py [--rate 500 --seconds 40 --rounds 3 --variants full,no_tokenize,no_metrics]
     python benchmarks/gateway_overhead_ab.py --variants full,full@base --code base=/work/base
+    python benchmarks/gateway_overhead_ab.py --stream --rate 200 --variants full,vllm-router   # streamed requests
 
 A variant may also be a Rust router (`vllm-router`, `smg`, run as gateway_overhead.py runs them), or
 `floor`: uvicorn and yieldgate's upstream client with nothing else (benchmarks/python_floor.py).
@@ -79,7 +80,8 @@ def events(diag: Path, role: str, t0: float, t1: float) -> dict[str, list[float]
     return out
 
 
-def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, code: dict[str, Path]) -> dict:
+def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, code: dict[str, Path],
+            stream: bool = False) -> dict:
     for f in diag.glob("*.log"):
         f.unlink()
     port = go.free_port()
@@ -100,8 +102,11 @@ def one_run(variant: str, rate: float, seconds: float, work: Path, diag: Path, c
             gateway = go.Yieldgate(f"http://127.0.0.1:{port}", work, name, code[label] if label else go.ROOT)
             url, key, pids = gateway.url, gateway.api_key, [gateway.proc.pid]
         phases = go.plan({"fixed_s": seconds}, [], streams=False, rates=(rate,))  # warm-up + one fixed rate
+        if stream:
+            for phase in phases:
+                phase["workload"] = go.STREAM_WORKLOAD
         t0 = time.time()
-        rows = go.run_phases(go.target(url, key), phases, pids, work)
+        rows = go.run_phases(go.target(url, key, stream=stream), phases, pids, work)
         t1 = time.time()
     finally:
         if gateway is not None:
@@ -130,6 +135,9 @@ def main() -> None:
                         "NAME@LABEL runs the checkout given by --code LABEL=PATH")
     p.add_argument("--code", action="append", default=[], metavar="LABEL=PATH",
                    help="another checkout of this repository (e.g. a git worktree of the baseline commit)")
+    p.add_argument("--stream", action="store_true",
+                   help=f"streamed requests ({go.STREAM_WORKLOAD['output_tokens']} events, "
+                        f"{go.UPSTREAM_ITL_MS:g} ms apart) instead of unary ones")
     p.add_argument("--out", default="/tmp/yieldgate-bench/gateway_overhead_ab.json")
     a = p.parse_args()
     from yieldgate.serving.demo_model import ensure_demo_model
@@ -153,7 +161,7 @@ def main() -> None:
     runs = []
     for r in range(a.rounds):
         for v in variants:
-            run = one_run(v, a.rate, a.seconds, tmp, diag, code)
+            run = one_run(v, a.rate, a.seconds, tmp, diag, code, a.stream)
             run["round"] = r + 1
             runs.append(run)
             gw = run["gateway"]
@@ -172,7 +180,7 @@ def main() -> None:
         print(f"{v:<12} added p50 {summary[v]['added_p50_ms_median']:+.2f} ms, p99 {summary[v]['added_p99_ms_median']:+.2f} ms "
               f"(medians over rounds); gateway gaps > 8 ms per run: {summary[v]['gateway_gaps_over_8ms_median']:g}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"rate": a.rate, "seconds": a.seconds, "rounds": a.rounds,
+    Path(a.out).write_text(json.dumps({"rate": a.rate, "stream": a.stream, "seconds": a.seconds, "rounds": a.rounds,
                                        "code": {label or "(this checkout)": {"path": str(path), "commit": _commit(path)}
                                                 for label, path in {"": go.ROOT, **code}.items()},
                                        "loadavg_1min_end": os.getloadavg()[0], "summary": summary, "runs": runs},
