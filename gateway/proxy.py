@@ -387,8 +387,8 @@ class _RelayResponse(Response):
     """A stream relayed as plain ASGI sends, whose `end` callback runs however it ends (even if it
     never streamed). The client's leaving cancels the relay: uvicorn drops sends to a closed
     connection without a word, so only `receive` tells, and a task waiting on it is the watch.
-    (Starlette's StreamingResponse does the same in an anyio task group per stream, which cost a
-    quarter of the gateway's CPU on streamed requests.)"""
+    (Starlette's StreamingResponse keeps the same watch with an anyio task group per stream, a
+    cost benchmarks/gateway_overhead_ab.py --stream shows.)"""
 
     def __init__(self, chunks: AsyncIterator[bytes], end: Callable[[str], None],
                  headers: list[tuple[bytes, bytes]]) -> None:
