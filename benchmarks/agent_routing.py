@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from routing import REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, clear_bench_index, two_replica_config  # noqa: E402
+from routing import (REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, bootstrap_p90_diff,  # noqa: E402
+                     clear_bench_index, two_replica_config)
 
 from yieldgate.cache.blocks import BlockHashConfig, BlockHasher  # noqa: E402
 from yieldgate.cache.simulator import PrefixOracle  # noqa: E402
@@ -90,12 +91,50 @@ async def one_run(url: str, api: str, policy: str, requests: int, concurrency: i
         "ratio_to_oracle": (cached / prompt) / oracle_ratio if oracle_ratio and prompt else None,
         "client_cost_usd": sum(r.cost or 0.0 for r in ok),
         "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p90_ms": percentile(ttft, 90) if ttft else None,
-        "duration_s": duration, "requests_per_replica": counts,
+        "duration_s": duration, "requests_per_replica": counts, "ttft_ms": ttft,
     }
     print(f"{api:<10} {policy:<12} cached {row['cached_ratio']:.1%} oracle {oracle_ratio:.1%} "
           f"-> {row['ratio_to_oracle'] or 0:.1%} of oracle; prompt tokens {prompt} (oracle's {oracle_prompt}); "
           f"{len(ok)}/{len(records)} ok; replicas {counts}", flush=True)
     return row
+
+
+def pooled(runs: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
+    """Per wire format and policy, the rounds added up: tokens, requests per replica (of `replicas`,
+    a replica that got none counting 0), TTFT samples; for each policy but round robin, its TTFT
+    p90 minus round robin's with a 90% interval."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in runs:
+        row = out.setdefault((r["api"], r["policy"]), {
+            "api": r["api"], "policy": r["policy"], "rounds": 0, "requests": 0, "ok": 0, "prompt_tokens": 0,
+            "cached_tokens": 0, "oracle_prompt_tokens": 0, "oracle_cached_tokens": 0, "requests_per_replica": {},
+            "ttft": []})
+        row["rounds"] += 1
+        for k in ("requests", "ok", "prompt_tokens", "cached_tokens", "oracle_prompt_tokens", "oracle_cached_tokens"):
+            row[k] += r[k]
+        for name, n in r["requests_per_replica"].items():
+            row["requests_per_replica"][name] = row["requests_per_replica"].get(name, 0) + n
+        row["ttft"] += r["ttft_ms"]
+    for row in out.values():
+        cached = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        oracle = row["oracle_cached_tokens"] / row["oracle_prompt_tokens"] if row["oracle_prompt_tokens"] else 0.0
+        counts = list(row["requests_per_replica"].values())
+        counts += [0] * (replicas - len(counts))
+        ttft = sorted(row["ttft"])
+        row.update(cached_ratio=cached, oracle_ratio=oracle, ratio_to_oracle=cached / oracle if oracle else None,
+                   load_max_over_mean=max(counts) / (sum(counts) / len(counts)) if counts else 1.0,
+                   ttft_p50_ms=percentile(ttft, 50) if ttft else None,
+                   ttft_p90_ms=percentile(ttft, 90) if ttft else None)
+    for (api, policy), row in out.items():
+        base = out.get((api, "round_robin"))
+        if base is not None and policy != "round_robin" and row["ttft"] and base["ttft"]:
+            row["ttft_p90_vs_round_robin"] = d = bootstrap_p90_diff(row["ttft"], base["ttft"])
+            print(f"{api:<10} {policy:<12} {row['ratio_to_oracle'] or 0:.1%} of oracle over {row['rounds']} rounds; "
+                  f"TTFT p90 - round robin {d['diff_ms']:+.0f} ms (90% CI {d['ci90_ms'][0]:+.0f}..{d['ci90_ms'][1]:+.0f})",
+                  flush=True)
+    for row in out.values():
+        del row["ttft"]
+    return list(out.values())
 
 
 def main() -> None:
@@ -110,6 +149,7 @@ def main() -> None:
     ap.add_argument("--gateway-port", type=int, default=0, help="0: any free port")
     ap.add_argument("--redis-url", default=REDIS_URL, help="the gateways' Redis (prefix index)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every wire format and policy (seeds seed, seed+1, ...)")
     ap.add_argument("--out", default=str(RESULTS / "agent_routing.json"))
     args = ap.parse_args()
 
@@ -123,35 +163,39 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="yg-agent-routing-"))
     load_start = os.getloadavg()[0]
     started = time.time()
-    rows = []
-    for api in args.apis.split(","):
-        for i, policy in enumerate(args.policies.split(",")):
-            clear_bench_index(args.redis_url)
-            for url in engines:  # every run starts on empty engine caches
-                _reset_prefix_cache(url)
-            gw = GatewayProcess(two_replica_config(policy, pairs, model_path, redis_url=args.redis_url, tag=f"a{i}",
-                                                   data_dir=str(workdir / f"{api}-{policy}")),
-                                workdir, port=args.gateway_port or None)
-            try:
-                time.sleep(1.5)  # first health check and scrape; KV-event subscribers connect
-                rows.append(asyncio.run(one_run(gw.url, api, policy, args.requests, args.concurrency, args.seed,
-                                                tokenizer)))
-            finally:
-                gw.stop()
+    runs = []
+    for rnd in range(args.rounds):
+        for api in args.apis.split(","):
+            for i, policy in enumerate(args.policies.split(",")):
                 clear_bench_index(args.redis_url)
+                for url in engines:  # every run starts on empty engine caches
+                    _reset_prefix_cache(url)
+                gw = GatewayProcess(two_replica_config(policy, pairs, model_path, redis_url=args.redis_url, tag=f"a{i}",
+                                                       data_dir=str(workdir / f"{rnd}-{api}-{policy}")),
+                                    workdir, port=args.gateway_port or None)
+                try:
+                    time.sleep(1.5)  # first health check and scrape; KV-event subscribers connect
+                    row = asyncio.run(one_run(gw.url, api, policy, args.requests, args.concurrency, args.seed + rnd,
+                                              tokenizer))
+                    runs.append({"round": rnd, **row})
+                finally:
+                    gw.stop()
+                    clear_bench_index(args.redis_url)
+    summary = pooled(runs, len(engines))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {
         "meta": {
             "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
                         "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per wire format "
-                    f"and policy; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
+            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per wire format, "
+                    f"policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
             "command": "python benchmarks/agent_routing.py " + " ".join(sys.argv[1:]),
             "workload": workload(args.seed).describe(),
             "oracle": "cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)",
         },
-        "runs": rows,
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in runs],
     }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
