@@ -4,10 +4,14 @@ wire format (chat completions, Responses, Messages) and routing policy.
     yieldgate up -c examples/routing-fleet.toml     # two identical standard engines on 8101/8102
     python benchmarks/agent_routing.py              # writes benchmarks/results/agent_routing.json
 
-For each wire format and policy: a fresh gateway process whose `standard` tier has both engines
-as replicas (as benchmarks/routing.py), both engines' prefix caches reset, then the load tester's
-`agent-tools` workload (multi-turn sessions re-sending a growing conversation with a fixed tool
-list, tool calls and results) in that wire format, closed loop, fresh cache salt.
+For each load (`--concurrency`, concurrent sessions), wire format and policy: a fresh gateway
+process whose `standard` tier has both engines as replicas (as benchmarks/routing.py), both engines'
+prefix caches reset, then the load tester's `agent-tools` workload (multi-turn sessions re-sending a
+growing conversation with a fixed tool list, tool calls and results) in that wire format, closed
+loop, fresh cache salt. That is one round (`--rounds`, 3): the policies take turns within it on the
+same new sessions, so the shared machine's drift hits them alike. Per load and wire format the
+rounds are pooled, and cache_aware's TTFT p90 is compared with round robin's as a difference with a
+90% bootstrap interval (benchmarks/routing.py's `bootstrap_p90_diff`).
 
 The oracle is the simulator's (cache.simulator.PrefixOracle): one infinite cache that has seen
 every earlier request. It scores the exact conversations the load tester sent, real answers
@@ -83,7 +87,7 @@ async def one_run(url: str, api: str, policy: str, requests: int, concurrency: i
     oracle_ratio = oracle_cached / oracle_prompt if oracle_prompt else 0.0
     ttft = sorted(r.ttft_ms for r in ok if r.ttft_ms is not None)
     row = {
-        "api": api, "policy": policy, "requests": len(records), "ok": len(ok),
+        "api": api, "policy": policy, "concurrency": concurrency, "requests": len(records), "ok": len(ok),
         "sessions": len({r.session for r in records}),
         "prompt_tokens": prompt, "cached_tokens": cached, "cached_ratio": cached / prompt if prompt else 0.0,
         "later_turns_with_cache_hits": sum(1 for r in later if (r.cached_tokens or 0) > 0) / len(later) if later else None,
@@ -93,21 +97,21 @@ async def one_run(url: str, api: str, policy: str, requests: int, concurrency: i
         "ttft_p50_ms": percentile(ttft, 50) if ttft else None, "ttft_p90_ms": percentile(ttft, 90) if ttft else None,
         "duration_s": duration, "requests_per_replica": counts, "ttft_ms": ttft,
     }
-    print(f"{api:<10} {policy:<12} cached {row['cached_ratio']:.1%} oracle {oracle_ratio:.1%} "
+    print(f"c={concurrency:<3} {api:<10} {policy:<12} cached {row['cached_ratio']:.1%} oracle {oracle_ratio:.1%} "
           f"-> {row['ratio_to_oracle'] or 0:.1%} of oracle; prompt tokens {prompt} (oracle's {oracle_prompt}); "
           f"{len(ok)}/{len(records)} ok; replicas {counts}", flush=True)
     return row
 
 
 def pooled(runs: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
-    """Per wire format and policy, the rounds added up: tokens, requests per replica (of `replicas`,
+    """Per load, wire format and policy, the rounds added up: tokens, requests per replica (of `replicas`,
     a replica that got none counting 0), TTFT samples; for each policy but round robin, its TTFT
     p90 minus round robin's with a 90% interval."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
+    out: dict[tuple[int, str, str], dict[str, Any]] = {}
     for r in runs:
-        row = out.setdefault((r["api"], r["policy"]), {
-            "api": r["api"], "policy": r["policy"], "rounds": 0, "requests": 0, "ok": 0, "prompt_tokens": 0,
-            "cached_tokens": 0, "oracle_prompt_tokens": 0, "oracle_cached_tokens": 0, "requests_per_replica": {},
+        row = out.setdefault((r["concurrency"], r["api"], r["policy"]), {
+            "concurrency": r["concurrency"], "api": r["api"], "policy": r["policy"], "rounds": 0, "requests": 0,
+            "ok": 0, "prompt_tokens": 0, "cached_tokens": 0, "oracle_prompt_tokens": 0, "oracle_cached_tokens": 0, "requests_per_replica": {},
             "ttft": []})
         row["rounds"] += 1
         for k in ("requests", "ok", "prompt_tokens", "cached_tokens", "oracle_prompt_tokens", "oracle_cached_tokens"):
@@ -125,11 +129,11 @@ def pooled(runs: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
                    load_max_over_mean=max(counts) / (sum(counts) / len(counts)) if counts else 1.0,
                    ttft_p50_ms=percentile(ttft, 50) if ttft else None,
                    ttft_p90_ms=percentile(ttft, 90) if ttft else None)
-    for (api, policy), row in out.items():
-        base = out.get((api, "round_robin"))
+    for (conc, api, policy), row in out.items():
+        base = out.get((conc, api, "round_robin"))
         if base is not None and policy != "round_robin" and row["ttft"] and base["ttft"]:
             row["ttft_p90_vs_round_robin"] = d = bootstrap_p90_diff(row["ttft"], base["ttft"])
-            print(f"{api:<10} {policy:<12} {row['ratio_to_oracle'] or 0:.1%} of oracle over {row['rounds']} rounds; "
+            print(f"c={conc:<3} {api:<10} {policy:<12} {row['ratio_to_oracle'] or 0:.1%} of oracle over {row['rounds']} rounds; "
                   f"TTFT p90 - round robin {d['diff_ms']:+.0f} ms (90% CI {d['ci90_ms'][0]:+.0f}..{d['ci90_ms'][1]:+.0f})",
                   flush=True)
     for row in out.values():
@@ -145,7 +149,7 @@ def main() -> None:
     ap.add_argument("--apis", default="chat,responses,messages")
     ap.add_argument("--policies", default="round_robin,cache_aware")
     ap.add_argument("--requests", type=int, default=120, help="requests per wire format and policy")
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", default="4,12", help="concurrent sessions, comma separated: one run each")
     ap.add_argument("--gateway-port", type=int, default=0, help="0: any free port")
     ap.add_argument("--redis-url", default=REDIS_URL, help="the gateways' Redis (prefix index)")
     ap.add_argument("--seed", type=int, default=0)
@@ -164,18 +168,19 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     started = time.time()
     runs = []
+    loads = [int(c) for c in args.concurrency.split(",")]
     for rnd in range(args.rounds):
-        for api in args.apis.split(","):
+        for api, conc in ((a, c) for c in loads for a in args.apis.split(",")):
             for i, policy in enumerate(args.policies.split(",")):
                 clear_bench_index(args.redis_url)
                 for url in engines:  # every run starts on empty engine caches
                     _reset_prefix_cache(url)
                 gw = GatewayProcess(two_replica_config(policy, pairs, model_path, redis_url=args.redis_url, tag=f"a{i}",
-                                                       data_dir=str(workdir / f"{rnd}-{api}-{policy}")),
+                                                       data_dir=str(workdir / f"{rnd}-{conc}-{api}-{policy}")),
                                     workdir, port=args.gateway_port or None)
                 try:
                     time.sleep(1.5)  # first health check and scrape; KV-event subscribers connect
-                    row = asyncio.run(one_run(gw.url, api, policy, args.requests, args.concurrency, args.seed + rnd,
+                    row = asyncio.run(one_run(gw.url, api, policy, args.requests, conc, args.seed + rnd,
                                               tokenizer))
                     runs.append({"round": rnd, **row})
                 finally:
@@ -188,8 +193,8 @@ def main() -> None:
             "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
                         "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per wire format, "
-                    f"policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
+            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per load, wire "
+                    f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
             "command": "python benchmarks/agent_routing.py " + " ".join(sys.argv[1:]),
             "workload": workload(args.seed).describe(),
             "oracle": "cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)",

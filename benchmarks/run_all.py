@@ -291,21 +291,21 @@ def adapter_routing_real() -> str:
 
 def agent_routing() -> str:
     rows = load("agent_routing")["summary"]
-    by = {(r["api"], r["policy"]): r for r in rows}
-    apis = [a for a in ("chat", "responses", "messages") if (a, "cache_aware") in by]
-    ca = [by[a, "cache_aware"]["ratio_to_oracle"] for a in apis]
-    rr = [by[a, "round_robin"]["ratio_to_oracle"] for a in apis if (a, "round_robin") in by]
+    ca = [r for r in rows if r["policy"] == "cache_aware"]
+    rr = [r["ratio_to_oracle"] for r in rows if r["policy"] == "round_robin"]
+    names = {"chat": "chat", "responses": "Responses", "messages": "Messages"}
+    apis = [a for a in names if any(r["api"] == a for r in ca)]
+    each = ", ".join(f"{span([r['ratio_to_oracle'] for r in ca if r['api'] == a], pct)} ({names[a]})" for a in apis)
     # TTFT p90 minus round robin's, pooled over the rounds: "not worse" while its 90% interval
     # reaches zero or below.
-    diffs = [by[a, "cache_aware"]["ttft_p90_vs_round_robin"] for a in apis if (a, "round_robin") in by]
-    rounds = by[apis[0], "cache_aware"]["rounds"]
-    names = {"chat": "chat", "responses": "Responses", "messages": "Messages"}
-    each = ", ".join(f"{pct(by[a, 'cache_aware']['ratio_to_oracle'])} ({names[a]})" for a in apis)
+    diffs = [r["ttft_p90_vs_round_robin"] for r in ca if "ttft_p90_vs_round_robin" in r]
     ttft = f"{min(d['diff_ms'] for d in diffs):+.0f} to {max(d['diff_ms'] for d in diffs):+.0f}".replace("-", "−")
-    load_ = span([by[a, "cache_aware"]["load_max_over_mean"] for a in apis], lambda v: f"{v:.2f}")
-    return (f"cache_aware {bold(each, min(ca) >= 0.95)} vs round robin {span(rr, pct)}; TTFT p90 − round robin "
-            f"{bold(ttft + ' ms', all(d['ci90_ms'][0] <= 0 for d in diffs))} ({rounds} rounds, 90% intervals); "
-            f"max/mean load {bold(load_, max(by[a, 'cache_aware']['load_max_over_mean'] for a in apis) <= 1.25)}")
+    loads = "/".join(str(c) for c in sorted({r["concurrency"] for r in ca}))
+    balance = [r["load_max_over_mean"] for r in ca]
+    return (f"cache_aware {bold(each, min(r['ratio_to_oracle'] for r in ca) >= 0.95)} vs round robin {span(rr, pct)}; "
+            f"TTFT p90 − round robin {bold(ttft + ' ms', all(d['ci90_ms'][0] <= 0 for d in diffs))}; max/mean load "
+            f"{bold(span(balance, lambda v: f'{v:.2f}'), max(balance) <= 1.25)} ({loads} sessions, "
+            f"{ca[0]['rounds']} rounds, 90% intervals)")
 
 
 def agent_compat() -> str:
@@ -432,7 +432,7 @@ BENCHMARKS = [
     Benchmark("agent_routing", "agent with tools (multi-turn, tool calls and results), 2 real engines: cached tokens / oracle",
               "≥ 95%; TTFT never worse; ≤ 1.25", "`python benchmarks/agent_routing.py` ([command](docs/benchmarks.md#agents))",
               agent_routing, run=["benchmarks/agent_routing.py", "--requests", "100", "--rounds", "3"],
-              quick=["benchmarks/agent_routing.py", "--requests", "40", "--rounds", "1", "--out", str(SCRATCH / "agent_routing.json")],
+              quick=["benchmarks/agent_routing.py", "--requests", "40", "--rounds", "1", "--concurrency", "4", "--out", str(SCRATCH / "agent_routing.json")],
               stack="examples/routing-fleet.toml", files=["agent_routing"]),
     Benchmark("agent_compat", "agent compatibility (route × stream × tools × tier)", "all",
               "`scripts/dev test -k agent_compat`", agent_compat, files=["agent_compat"],
