@@ -141,6 +141,40 @@ def pooled(runs: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
     return list(out.values())
 
 
+def plot(summary: list[dict[str, Any]], path: Path) -> None:
+    """Per load and wire format: cached tokens / oracle per policy, and cache_aware's TTFT p90 minus
+    round robin's with its 90% interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["concurrency"], r["api"]) for r in summary})
+    by = {(r["concurrency"], r["api"], r["policy"]): r for r in summary}
+    labels = [f"{api}\n{conc} sessions" for conc, api in keys]
+    policies = sorted({r["policy"] for r in summary})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(policies)
+    for i, policy in enumerate(policies):
+        vals = [100 * (by[k + (policy,)]["ratio_to_oracle"] or 0) if k + (policy,) in by else 0 for k in keys]
+        left.bar([x + i * width for x in range(len(keys))], vals, width, label=policy)
+    left.axhline(95, color="grey", linestyle="--", linewidth=1, label="goal 95%")
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], labels)
+    left.set_ylim(80, 106)
+    left.set_ylabel("cached tokens / oracle's, %")
+    left.legend(loc="upper center", ncol=3)
+    diffs = [by.get(k + ("cache_aware",), {}).get("ttft_p90_vs_round_robin") for k in keys]
+    xs = [x for x, d in enumerate(diffs) if d]
+    mid = [d["diff_ms"] for d in diffs if d]
+    err = [[d["diff_ms"] - d["ci90_ms"][0] for d in diffs if d], [d["ci90_ms"][1] - d["diff_ms"] for d in diffs if d]]
+    right.errorbar(xs, mid, yerr=err, fmt="o", capsize=4)
+    right.axhline(0, color="grey", linewidth=1)
+    right.set_xticks(range(len(keys)), labels)
+    right.set_ylabel("TTFT p90, cache_aware − round robin, ms (90% CI)")
+    fig.suptitle("agent with tools, 2 real engines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="http://127.0.0.1:8101,http://127.0.0.1:8102")
@@ -203,7 +237,8 @@ def main() -> None:
         "runs": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in runs],
     }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    plot(summary, Path(args.out).with_suffix(".png"))
+    print(f"wrote {args.out} and its .png")
 
 
 if __name__ == "__main__":
