@@ -104,15 +104,15 @@ async def one_run(url: str, api: str, policy: str, requests: int, concurrency: i
 
 
 def pooled(runs: list[dict[str, Any]], replicas: int) -> list[dict[str, Any]]:
-    """Per load, wire format and policy, the rounds added up: tokens, requests per replica (of `replicas`,
-    a replica that got none counting 0), TTFT samples; for each policy but round robin, its TTFT
-    p90 minus round robin's with a 90% interval."""
+    """Per load, wire format and policy, the rounds added up: tokens, requests per replica (of
+    `replicas`, a replica that got none counting 0), TTFT samples; for each policy but round robin,
+    its TTFT p90 minus round robin's with a 90% interval."""
     out: dict[tuple[int, str, str], dict[str, Any]] = {}
     for r in runs:
         row = out.setdefault((r["concurrency"], r["api"], r["policy"]), {
             "concurrency": r["concurrency"], "api": r["api"], "policy": r["policy"], "rounds": 0, "requests": 0,
-            "ok": 0, "prompt_tokens": 0, "cached_tokens": 0, "oracle_prompt_tokens": 0, "oracle_cached_tokens": 0, "requests_per_replica": {},
-            "ttft": []})
+            "ok": 0, "prompt_tokens": 0, "cached_tokens": 0, "oracle_prompt_tokens": 0, "oracle_cached_tokens": 0,
+            "requests_per_replica": {}, "ttft": []})
         row["rounds"] += 1
         for k in ("requests", "ok", "prompt_tokens", "cached_tokens", "oracle_prompt_tokens", "oracle_cached_tokens"):
             row[k] += r[k]
@@ -182,7 +182,7 @@ def main() -> None:
                     help="KV-event endpoints of the engines, comma separated ('' for none)")
     ap.add_argument("--apis", default="chat,responses,messages")
     ap.add_argument("--policies", default="round_robin,cache_aware")
-    ap.add_argument("--requests", type=int, default=120, help="requests per wire format and policy")
+    ap.add_argument("--requests", type=int, default=120, help="requests per load, wire format, policy and round")
     ap.add_argument("--concurrency", default="4,12", help="concurrent sessions, comma separated: one run each")
     ap.add_argument("--gateway-port", type=int, default=0, help="0: any free port")
     ap.add_argument("--redis-url", default=REDIS_URL, help="the gateways' Redis (prefix index)")

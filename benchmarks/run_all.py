@@ -299,7 +299,8 @@ def agent_routing() -> str:
     # TTFT p90 minus round robin's, pooled over the rounds: "not worse" while its 90% interval
     # reaches zero or below.
     diffs = [r["ttft_p90_vs_round_robin"] for r in ca if "ttft_p90_vs_round_robin" in r]
-    ttft = f"{min(d['diff_ms'] for d in diffs):+.0f} to {max(d['diff_ms'] for d in diffs):+.0f}".replace("-", "−")
+    ttft = (f"{min(d['diff_ms'] for d in diffs):+.0f} to {max(d['diff_ms'] for d in diffs):+.0f}".replace("-", "−")
+            if diffs else "not measured")
     loads = "/".join(str(c) for c in sorted({r["concurrency"] for r in ca}))
     balance = [r["load_max_over_mean"] for r in ca]
     return (f"cache_aware {bold(each, min(r['ratio_to_oracle'] for r in ca) >= 0.95)} vs round robin {span(rr, pct)}; "
