@@ -412,7 +412,9 @@ async def arun_compare(
     """Run the same seeded workload against each target; results in `targets` order.
 
     interleaved: the run is split into `rounds` phases (or a sweep's rate steps) and the targets
-    take turns phase by phase, so drift in the machine affects all of them alike.
+    take turns phase by phase, so drift in the machine affects all of them alike; every other round
+    runs them in reverse order (A B, B A, ...), so going first or second in a round does not
+    favour one target either.
     cache_salt="auto": a fresh salt per target, so no target rides on another's prefix cache.
     """
     bounds = bounds or Bounds()
@@ -429,9 +431,10 @@ async def arun_compare(
     outputs: list[list[tuple[Summary, list[RequestRecord], float]]] = [[] for _ in targets]
     stopped: list[str | None] = [None] * len(targets)
     started = [0.0] * len(targets)
+    turns = list(range(len(targets)))
     schedule: list[tuple[int, int]] = (
-        [(i, p) for p in range(n_phases) for i in range(len(targets))] if order == "interleaved"
-        else [(i, p) for i in range(len(targets)) for p in range(n_phases)]
+        [(i, p) for p in range(n_phases) for i in (turns if p % 2 == 0 else turns[::-1])] if order == "interleaved"
+        else [(i, p) for i in turns for p in range(n_phases)]
     )
     for r in runners:
         await r.__aenter__()
