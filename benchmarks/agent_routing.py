@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -187,7 +188,7 @@ def main() -> None:
     ap.add_argument("--gateway-port", type=int, default=0, help="0: any free port")
     ap.add_argument("--redis-url", default=REDIS_URL, help="the gateways' Redis (prefix index)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of every wire format and policy (seeds seed, seed+1, ...)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every load, wire format and policy (seeds seed, seed+1, ...)")
     ap.add_argument("--out", default=str(RESULTS / "agent_routing.json"))
     args = ap.parse_args()
 
@@ -204,7 +205,7 @@ def main() -> None:
     runs = []
     loads = [int(c) for c in args.concurrency.split(",")]
     for rnd in range(args.rounds):
-        for api, conc in ((a, c) for c in loads for a in args.apis.split(",")):
+        for conc, api in itertools.product(loads, args.apis.split(",")):
             for i, policy in enumerate(args.policies.split(",")):
                 clear_bench_index(args.redis_url)
                 for url in engines:  # every run starts on empty engine caches
@@ -228,7 +229,8 @@ def main() -> None:
             "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
                         "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
             "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per load, wire "
-                    f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), prefix caches reset before each run",
+                    f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), "
+                    "prefix caches reset before each run",
             "command": "python benchmarks/agent_routing.py " + " ".join(sys.argv[1:]),
             "workload": workload(args.seed).describe(),
             "oracle": "cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)",
