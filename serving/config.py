@@ -196,7 +196,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # Or a pipeline of registered parts (cache/policies.py), labelled `policy` in metrics.
     pipeline: PipelineSpec | None = None
     # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
-    # with load > spill_factor * mean + spill_slack are skipped (see cache/routing.py).
+    # with load > max(spill_factor * mean, mean + spill_slack) are skipped (see cache/scorers.py).
     overlap_weight: float = 1.0
     queued_request_blocks: float = 2.0
     spill_factor: float = 2.0
