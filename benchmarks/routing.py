@@ -38,7 +38,8 @@ a cold request's TTFT whatever the policy):
         --shared-requests 360 --agent-requests 120 --rounds 6 --cold-phases --loads 1,2,4,6 \
         --policies round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware \
         --out benchmarks/results/routing
-routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml` and the defaults, `--out benchmarks/results/routing-kv1gib`.
+routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml`, the default policies and
+cache_aware+overlap_weight=2 (`--policies`), `--out benchmarks/results/routing-kv1gib`.
 routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
 `--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.
 routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent
