@@ -9,7 +9,8 @@ process whose `standard` tier has both engines as replicas (as benchmarks/routin
 prefix caches reset, then the load tester's `agent-tools` workload (multi-turn sessions re-sending a
 growing conversation with a fixed tool list, tool calls and results) in that wire format, closed
 loop, fresh cache salt. That is one round (`--rounds`, 3): the policies take turns within it on the
-same new sessions, so the shared machine's drift hits them alike. Per load and wire format the
+same new sessions, so the shared machine's drift hits them alike, in reverse order every other time
+(loadtest.turn_order), so that none always goes first. Per load and wire format the
 rounds are pooled, and cache_aware's TTFT p90 is compared with round robin's as a difference with a
 90% bootstrap interval (benchmarks/routing.py's `bootstrap_p90_diff`).
 
@@ -48,7 +49,7 @@ from yieldgate.cache.simulator import PrefixOracle  # noqa: E402
 from yieldgate.gateway.embedded import GatewayProcess  # noqa: E402
 from yieldgate.gateway.simulate import demo_tokenizer  # noqa: E402
 from yieldgate.loadtest import (AgentToolsWorkload, Bounds, CacheSalt, ConcurrencyLoad, Runner,  # noqa: E402
-                                Target)
+                                Target, turn_order)
 from yieldgate.loadtest.stats import percentile  # noqa: E402
 from yieldgate.serving.config import kv_events_ipc  # noqa: E402
 
@@ -205,8 +206,9 @@ def main() -> None:
     runs = []
     loads = [int(c) for c in args.concurrency.split(",")]
     for rnd in range(args.rounds):
-        for conc, api in itertools.product(loads, args.apis.split(",")):
-            for i, policy in enumerate(args.policies.split(",")):
+        for cell, (conc, api) in enumerate(itertools.product(loads, args.apis.split(","))):
+            # Policies in reverse order every other time a load and wire format come round.
+            for i, policy in turn_order(list(enumerate(args.policies.split(","))), rnd + cell):
                 clear_bench_index(args.redis_url)
                 for url in engines:  # every run starts on empty engine caches
                     _reset_prefix_cache(url)

@@ -250,8 +250,9 @@ def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, se
 async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], rounds: int,
                        seed: int, tenants: int, reset_urls: list[str], engine_urls: list[str]) -> dict[str, dict]:
     """Every policy gets its own gateway, salt and load-tester Runner per workload; the policies
-    take turns round by round, so the shared machine's drift hits them alike."""
-    from yieldgate.loadtest import Runner, Target
+    take turns round by round, so the shared machine's drift hits them alike, in reverse order every
+    other round (loadtest.turn_order), so that none always goes first."""
+    from yieldgate.loadtest import Runner, Target, turn_order
 
     state: dict[str, dict] = {}
     runners: list[Any] = []
@@ -268,7 +269,8 @@ async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], ro
                          "per_engine": dict.fromkeys(engine_urls, 0.0)}
     try:
         for k in range(rounds):
-            for policy, st in state.items():
+            for policy in turn_order(list(state), k):
+                st = state[policy]
                 for part in st["parts"]:
                     n = part["n"] // rounds + (1 if k < part["n"] % rounds else 0)
                     if n <= 0:

@@ -13,7 +13,7 @@ from .load import Bounds, ConcurrencyLoad, Load, PoissonLoad, ReplayLoad, SweepL
 from .price import Price, PriceTable
 from .record import RequestRecord
 from .report import print_summary, ratios, write_outputs
-from .runner import CacheSalt, RunResult, Runner, arun_compare, arun_load, run_compare, run_load
+from .runner import CacheSalt, RunResult, Runner, arun_compare, arun_load, run_compare, run_load, turn_order
 from .sse import SSEDecoder, SSEEvent
 from .stats import Distribution, distribution, goodput, meets_slo, percentile, throughput_windows
 from .summary import Summary, summarize
@@ -40,5 +40,6 @@ __all__ = [
     "RandomLengthWorkload", "ReplayLoad", "RequestRecord", "RunResult", "Runner", "SSEDecoder", "SSEEvent",
     "Session", "SharedPrefixWorkload", "Summary", "SweepLoad", "Target", "ToolCall", "TraceWorkload", "Turn", "WIRES", "Wire", "WireUsage", "Workload",
     "WorkloadError", "arun_compare", "arun_load", "distribution", "goodput", "meets_slo", "percentile",
-    "print_summary", "ratios", "run_compare", "run_config", "run_load", "summarize", "throughput_windows", "write_outputs",
+    "print_summary", "ratios", "run_compare", "run_config", "run_load", "summarize", "throughput_windows", "turn_order",
+    "write_outputs",
 ]

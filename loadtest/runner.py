@@ -12,8 +12,8 @@ import math
 import random
 import secrets
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -360,6 +360,17 @@ def _append_turn(messages: list[dict[str, Any]], turn: Turn, salt_prefix: str) -
 # -- public entry points ------------------------------------------------------------------------
 
 
+T = TypeVar("T")
+
+
+def turn_order(items: Sequence[T], round_index: int) -> list[T]:
+    """The order in which side-by-side targets take their turns in round `round_index`: as given in
+    even rounds, reversed in odd ones (A B, B A, ...). Going first or second in a round then neither
+    favours nor penalises a target: two labels of one engine came out 0.90x apart when one of them
+    always went second."""
+    return list(items) if round_index % 2 == 0 else list(items)[::-1]
+
+
 def _slices(load: Load, bounds: Bounds, rounds: int) -> list[tuple[Load, Bounds]]:
     """The phases one target runs: a sweep's steps, or `rounds` equal parts of a plain run."""
     if isinstance(load, SweepLoad):
@@ -433,7 +444,7 @@ async def arun_compare(
     started = [0.0] * len(targets)
     turns = list(range(len(targets)))
     schedule: list[tuple[int, int]] = (
-        [(i, p) for p in range(n_phases) for i in (turns if p % 2 == 0 else turns[::-1])] if order == "interleaved"
+        [(i, p) for p in range(n_phases) for i in turn_order(turns, p)] if order == "interleaved"
         else [(i, p) for i in turns for p in range(n_phases)]
     )
     for r in runners:
