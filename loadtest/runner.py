@@ -365,9 +365,8 @@ T = TypeVar("T")
 
 def turn_order(items: Sequence[T], round_index: int) -> list[T]:
     """The order in which side-by-side targets take their turns in round `round_index`: as given in
-    even rounds, reversed in odd ones (A B, B A, ...). Going first or second in a round then neither
-    favours nor penalises a target: two labels of one engine came out 0.90x apart when one of them
-    always went second."""
+    even rounds, reversed in odd ones (A B, B A, ...). On a shared machine the phase that goes second
+    in a round can run faster or slower than the first; alternating spreads that over every target."""
     return list(items) if round_index % 2 == 0 else list(items)[::-1]
 
 
