@@ -25,7 +25,7 @@ every phase (otherwise each policy's phase evicts the others' blocks, and each p
 another policy's leftovers):
     python benchmarks/routing.py --up examples/routing-fleet-kv192-tiny.toml --no-sim --tenants 16 \
         --shared-requests 360 --agent-requests 180 --rounds 18 --cold-phases --loads 1,2,3,4,5,6 \
-        --policies round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware \
+        --policies round_robin,cache_aware,cache_aware+overlap_weight=1,vllm-router:cache_aware,smg:cache_aware \
         --out benchmarks/results/routing-kv192-t16
     python benchmarks/routing.py ... --loads 1 --merge     # the same, another load, into the same file
 routing-kv192-t16-big: the same with a 28 MB generated model (prefill ~0.1 ms per token, 3x the tiny
@@ -36,10 +36,10 @@ load, so that fewer requests are cold under any policy (with 16 tenants, 41-59% 
 a cold request's TTFT whatever the policy):
     python benchmarks/routing.py --up examples/routing-fleet-kv192.toml --no-sim --tenants 6 \
         --shared-requests 360 --agent-requests 120 --rounds 6 --cold-phases --loads 1,2,4,6 \
-        --policies round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware \
+        --policies round_robin,cache_aware,cache_aware+overlap_weight=1,vllm-router:cache_aware,smg:cache_aware \
         --out benchmarks/results/routing
 routing-kv1gib: `yieldgate up -c examples/routing-fleet.toml`, the default policies and
-cache_aware+overlap_weight=2 (`--policies`), `--out benchmarks/results/routing-kv1gib`.
+cache_aware with overlap_weight 1 and 2 (`--policies`), `--out benchmarks/results/routing-kv1gib`.
 routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone (`--twin`, no engines;
 `--prefill-scale 3` for the 28 MB model), 8 seeds per policy and load; the command is in each file's meta.
 routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent

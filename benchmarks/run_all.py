@@ -97,7 +97,7 @@ def routing_real() -> str:
     theirs = "".join(f", {p.replace(':', ' ')} {span([r['ratio_to_oracle'] for r in rows if r['policy'] == p], pct)}"
                      for p in peers)
     ttft = f"{min(diff):+.0f} to {max(diff):+.0f}".replace("-", "−")
-    # Its settings measured beside the defaults ("cache_aware+overlap_weight=2").
+    # Its settings measured beside the defaults ("cache_aware+overlap_weight=1").
     tuned = "".join(f" ({p.split('+', 1)[1].replace('+', ', ').replace('=', ' ')}: "
                     f"{span([r['ratio_to_oracle'] for r in rows if r['policy'] == p], pct)})"
                     for p in dict.fromkeys(r["policy"] for r in rows if r["policy"].startswith("cache_aware+")))
@@ -352,7 +352,7 @@ BENCHMARKS = [
               "`python benchmarks/routing.py` ([command](docs/benchmarks.md#routing))", routing_real,
               run=["benchmarks/routing.py", "--no-sim", "--tenants", "6", "--shared-requests", "360", "--loads", "1,2,4,6",
                    "--agent-requests", "120", "--rounds", "6", "--cold-phases", "--policies",
-                   "round_robin,cache_aware,cache_aware+overlap_weight=2,vllm-router:cache_aware,smg:cache_aware",
+                   "round_robin,cache_aware,cache_aware+overlap_weight=1,vllm-router:cache_aware,smg:cache_aware",
                    "--fast-kv", "ipc://{home}/run/kv-events-standard-1.sock", "--out", "benchmarks/results/routing"],
               quick=["benchmarks/routing.py", "--no-sim", "--quick", "--tenants", "6", "--cold-phases",
                      "--policies", "round_robin,cache_aware", "--fast-kv",
@@ -361,7 +361,7 @@ BENCHMARKS = [
     Benchmark("routing_sim", "routing, simulated 64 replicas", "≥ 95%",
               "`python benchmarks/routing.py --no-real`", routing_sim,
               run=["benchmarks/routing.py", "--policies",
-                   "round_robin,least_loaded,session,cache_aware,cache_aware+overlap_weight=2",
+                   "round_robin,least_loaded,session,cache_aware,cache_aware+overlap_weight=1,cache_aware+overlap_weight=2",
                    "--out", "benchmarks/results/routing-kv1gib"],
               quick=["benchmarks/routing.py", "--no-real", "--quick", "--out", str(SCRATCH / "routing-sim")],
               stack="examples/routing-fleet.toml", files=["routing-kv1gib"]),

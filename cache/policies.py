@@ -40,10 +40,10 @@ class UnknownPolicy(ValueError):
 class RouterConfig(msgspec.Struct, frozen=True):
     """Knobs the built-in parts read (see cache/scorers.py for each one's meaning)."""
     policy: str = "cache_aware"
-    overlap_weight: float = 1.0
+    overlap_weight: float | None = None  # None: 1 + 1 / (replicas - 1) (KVCostScorer)
     queued_request_blocks: float = 2.0
     spill_factor: float = 2.0
-    spill_slack: float = 2.0
+    spill_slack: float = 2.5
     share_factor: float = 1.15
     share_keep_blocks: int = 16
     share_slack: float = 4.0

@@ -195,12 +195,13 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     policy: str = "cache_aware"   # a preset (cache/policies.py): cache_aware, round_robin, least_loaded, ...
     # Or a pipeline of registered parts (cache/policies.py), labelled `policy` in metrics.
     pipeline: PipelineSpec | None = None
-    # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load; replicas
-    # with load > max(spill_factor * mean, mean + spill_slack) are skipped (see cache/scorers.py).
-    overlap_weight: float = 1.0
+    # cache_aware cost = overlap_weight * blocks_to_prefill + queued_request_blocks * load (unset:
+    # overlap_weight = 1 + 1 / (replicas - 1)); replicas with load > max(spill_factor * others' mean,
+    # mean + spill_slack) are skipped (see cache/scorers.py).
+    overlap_weight: float | None = None
     queued_request_blocks: float = 2.0
     spill_factor: float = 2.0
-    spill_slack: float = 2.0
+    spill_slack: float = 2.5
     # ...and replicas past max(share_factor * mean, mean + share_slack) of recent picks, unless
     # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home).
     share_factor: float = 1.15

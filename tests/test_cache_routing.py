@@ -17,6 +17,7 @@ from yieldgate.cache import (
     BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router, RouterConfig,
     SharedPrefixIndex, UnknownPolicy, lora_extra_keys,
 )
+from yieldgate.cache.scorers import HotspotFilter, KVCostScorer, RouteContext
 
 
 class Replica(msgspec.Struct):
@@ -117,6 +118,34 @@ def test_cache_aware_spills_hot_prefix_from_loaded_replica() -> None:
     assert router.pick(RouteRequest(token_ids=tokens(1, 8)), list(loaded.values())).replica.name == home
 
 
+@pytest.mark.parametrize("loads,dropped", [
+    ((9, 3), {"a"}),          # two replicas: more than twice the other's load and 5+ ahead
+    ((6, 0), {"a"}),
+    ((8, 4), set()),          # twice the other's: kept
+    ((5, 0), set()),          # only 5 ahead: kept
+    ((6, 2, 2, 2), {"a"}),    # four: over the fleet's mean + 2.5 and over twice the others'
+    ((5, 2, 2, 2), set()),
+])
+def test_hotspot_guard_compares_each_replica_with_the_others(loads, dropped) -> None:
+    fleet = [Replica(name) for name in "abcd"[:len(loads)]]
+    ctx = RouteContext(request=RouteRequest(), block_hashes=[], block_size=32, matches={},
+                       loads={r.name: float(x) for r, x in zip(fleet, loads)})
+    kept = {r.name for r in HotspotFilter().filter(ctx, fleet)}
+    assert kept == {r.name for r in fleet} - dropped
+
+
+def test_overlap_weight_defaults_to_more_on_small_fleets() -> None:
+    def score(n: int, weight: float | None = None) -> float:
+        fleet = [Replica(f"r{i}") for i in range(n)]
+        ctx = RouteContext(request=RouteRequest(), block_hashes=[b"x"] * 9, block_size=32, matches={},
+                           loads={r.name: 0.0 for r in fleet})
+        return KVCostScorer(weight).score(ctx, fleet)["r0"]
+
+    # 10 blocks to prefill (9 full + the partial last one), nothing else: the cost is the weight's.
+    assert score(2) == -20.0 and score(4) == pytest.approx(-40 / 3) and score(65) == pytest.approx(-10 - 10 / 64)
+    assert score(2, weight=1.0) == -10.0
+
+
 def test_requests_arriving_together_split_while_the_first_prefill_is_pending() -> None:
     router = Router("cache_aware", PrefixIndex(), block_size=32)
     fleet = [Replica("a"), Replica("b")]
@@ -125,11 +154,11 @@ def test_requests_arriving_together_split_while_the_first_prefill_is_pending() -
     router.sent(warm)
     router.first_token(warm)
     home = warm.replica.name
-    # A long new request on the prefix's home: its 30 blocks of prefill are queued there...
-    long_one = router.pick(RouteRequest(token_ids=tokens(3, 8, 0) + tokens(4, 30)), fleet)
+    # A long new request on the prefix's home: its 70 blocks of prefill are queued there...
+    long_one = router.pick(RouteRequest(token_ids=tokens(3, 8, 0) + tokens(4, 70)), fleet)
     router.sent(long_one)
     by_name[home].inflight = 1
-    assert long_one.replica.name == home and long_one.pending_blocks == 31
+    assert long_one.replica.name == home and long_one.pending_blocks == 71
     # ...so a short request for the same prefix arriving meanwhile is cheaper on the idle replica.
     assert router.pick(RouteRequest(token_ids=tokens(3, 8, 1)), fleet).replica.name != home
     router.first_token(long_one)
@@ -190,8 +219,6 @@ def test_shared_system_prompt_spreads_sessions_on_a_quiet_fleet() -> None:
 
 
 def test_one_common_header_block_does_not_outweigh_a_replicas_excess_share() -> None:
-    from yieldgate.cache.scorers import KVCostScorer, RouteContext
-
     # Nothing in flight; "a" holds a one-block common header (a date line, a cache salt) and
     # has taken twice the mean of recent picks, "b" holds nothing.
     ctx = RouteContext(request=RouteRequest(), block_hashes=list(range(20)), block_size=32,
