@@ -28,8 +28,8 @@ from yieldgate.cache.scorers import (
 Needs = Literal["tokens", "session", "nothing"]
 
 
-# adapter_aware's adapter_affinity weight: kv_cost counts blocks of prefill, so a resident adapter
-# beats one that must unload another by this many blocks.
+# adapter_aware's adapter_affinity weight, in kv_cost's units (overlap_weight per block of prefill):
+# a resident adapter beats one that must unload another by this many blocks at overlap_weight 1.
 ADAPTER_AFFINITY_WEIGHT = 64.0
 
 
