@@ -118,7 +118,7 @@ class HotspotFilter:
     others' mean rather than the fleet's, the guard also works on two replicas (there the
     fleet's mean includes the hot replica itself, and twice it is the whole fleet's load): a
     replica is dropped once it carries more than twice the other's load and more than
-    ``2 * slack`` requests more (with slack 2.5, 9 of 12 in flight but not 6 of 6). On a large
+    ``2 * slack`` requests more (with slack 2.5, 9 of 12 in flight, never 5 of 5). On a large
     fleet the two means are about equal."""
 
     def __init__(self, factor: float = 2.0, slack: float = 2.5) -> None:

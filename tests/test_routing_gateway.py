@@ -75,8 +75,10 @@ def test_repeated_prefix_lands_on_one_replica_and_prediction_matches_usage(stack
 
 def test_hot_prefix_spills_to_the_other_replica(stack, gateway_factory, redis_url, names):
     gw = gateway_factory(both_engines_one_tier(stack, redis_url, names))
-    # ~650 tokens = 20 cached blocks: worth about 10 queued requests in the router's cost
-    # (queued_request_blocks 2), so the burst keeps well over 10 in flight on the prefix's home.
+    # ~650 tokens = 20 cached blocks: on two replicas (overlap_weight 2, queued_request_blocks 2)
+    # worth about 20 queued requests in the router's cost, so the cost alone would keep the whole
+    # burst home; the hot-spot guard spills it once home carries more than twice the other's load
+    # and more than 5 requests more.
     system = prefix_text(300)
     home = ask(gw.url, system, "warm up").headers["x-yieldgate-replica"]
 
