@@ -45,8 +45,8 @@ routing-kv192-t16-twin / -big-twin: the kv192-t16 regime in the simulator alone 
 routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1) popularity + agent
 sessions, vs round robin, least loaded and consistent hashing:
     python benchmarks/routing.py --zipf 1.0 --sim-tenants 1000 --sim-kv-blocks 512 --sim-requests 6000 \
-        --rates 100,200,400 --out benchmarks/results/routing-zipf64 \
-        --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2
+        --sim-seeds 3 --rates 100,200,400 --out benchmarks/results/routing-zipf64 \
+        --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2,cache_aware+share_keep_blocks=4,cache_aware+share_factor=1.3
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of
@@ -549,6 +549,19 @@ def result_meta(command: str, load: str) -> dict:
             "load": load, "command": command}
 
 
+def mean_over_seeds(runs: list[list[dict]]) -> list[dict]:
+    """One row per rate and policy: the seeds' mean of every figure, with the cached ratio and the
+    load ratio of each seed beside it (one seed of this workload moves the ratio by up to 2 points)."""
+    out = []
+    for rows in zip(*runs):
+        row = {k: (sum(r[k] for r in rows) / len(rows) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   else v) for k, v in rows[0].items()}
+        row["ratio_to_oracle_by_seed"] = [r["ratio_to_oracle"] for r in rows]
+        row["load_max_over_mean_by_seed"] = [r["load_max_over_mean"] for r in rows]
+        out.append(row)
+    return out
+
+
 def plot_zipf(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -559,8 +572,16 @@ def plot_zipf(rows: list[dict], path: Path, title: str) -> None:
                                   (axes[1], "ttft_p90_s", "TTFT p90 (ms)", 1000),
                                   (axes[2], "load_max_over_mean", "max/mean requests per replica", 1)):
         for policy in dict.fromkeys(r["policy"] for r in rows):
-            pts = [(r["rate"], r[key] * scale) for r in rows if r["policy"] == policy]
-            ax.plot(*zip(*pts), marker="o", label=policy)
+            mine = [r for r in rows if r["policy"] == policy]
+            xs, ys = [r["rate"] for r in mine], [r[key] * scale for r in mine]
+            seeds = [r.get(f"{key}_by_seed") for r in mine]
+            if all(seeds):  # the seeds' range around their mean
+                err = [[y - min(v) * scale for y, v in zip(ys, seeds)], [max(v) * scale - y for y, v in zip(ys, seeds)]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=policy)
+            else:
+                ax.plot(xs, ys, marker="o", label=policy)
+        if key == "ratio_to_oracle":
+            ax.axhline(95, color="grey", linestyle="--", linewidth=1, label="goal 95%")
         if key == "load_max_over_mean":
             ax.axhline(1.25, color="grey", linestyle="--", linewidth=1, label="goal 1.25")
         if key != "ratio_to_oracle":
@@ -755,6 +776,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sim-tenants", type=int, default=1000)
     ap.add_argument("--sim-kv-blocks", type=int, default=512)
     ap.add_argument("--sim-requests", type=int, default=6000)
+    ap.add_argument("--sim-seeds", type=int, default=1,
+                    help="--zipf: run every policy and rate with this many seeds (from --seed) and report their mean")
     args = ap.parse_args(argv)
     if args.twin or args.zipf:
         return main_sim_only(args, argv if argv is not None else sys.argv[1:])
@@ -830,11 +853,12 @@ def main_sim_only(args: argparse.Namespace, argv: list[str]) -> None:
                   f"2 engines x {args.kv_blocks} blocks, {args.tenants} tenants (sim)")
     else:
         rates = [float(x) for x in args.rates.split(",")]
-        rows = run_sim(policies, rates, args.sim_requests, 64, args.sim_tenants, args.sim_kv_blocks, tok, args.seed,
-                       zipf=args.zipf)
+        rows = mean_over_seeds([run_sim(policies, rates, args.sim_requests, 64, args.sim_tenants, args.sim_kv_blocks,
+                                        tok, seed, zipf=args.zipf)
+                                for seed in range(args.seed, args.seed + args.sim_seeds)])
         load = (f"64 simulated replicas x {args.sim_kv_blocks} KV blocks, {args.sim_tenants} tenants with "
                 f"Zipf({args.zipf:g}) popularity + 25% agent sessions, Poisson {args.rates} sessions/s, "
-                f"{args.sim_requests} requests per policy and rate")
+                f"{args.sim_requests} requests per policy, rate and seed, {args.sim_seeds} seeds")
         doc = {"meta": result_meta(command, load), "sim": rows,
                "engine": msgspec.to_builtins(EngineModel(kv_capacity_blocks=args.sim_kv_blocks))}
         plot_zipf(rows, out.with_suffix(".png"),
