@@ -143,12 +143,21 @@ class ShareFilter:
     in flight, ~0 on a quiet fleet; this one bounds each replica's share over time. A prefix
     everyone shares (one agent system prompt) then gets cached on several replicas instead of
     pulling every new session to the first one, while long contexts (an agent session's
-    history, a tenant's long prefix) stay where they are cached."""
+    history, a tenant's long prefix) stay where they are cached.
 
-    def __init__(self, factor: float = 1.15, keep_blocks: int = 16, slack: float = 4.0) -> None:
+    Once a replica within its share already holds at least ``spread_fraction`` of what the
+    busy one holds, the shared head has spread; what the busy replica has beyond it is this
+    request's own context (a session's last turns, a user's lines), and ``keep_tail_blocks``
+    of it keep the request home: moving it recomputes that context and spreads nothing shared.
+    """
+
+    def __init__(self, factor: float = 1.15, keep_blocks: int = 16, slack: float = 4.0,
+                 keep_tail_blocks: int = 2, spread_fraction: float = 0.3) -> None:
         self.factor = factor
         self.keep_blocks = keep_blocks
         self.slack = slack  # picks: a young or small fleet is not "over its share" after one pick
+        self.keep_tail_blocks = keep_tail_blocks
+        self.spread_fraction = spread_fraction
 
     def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
         if self.factor <= 0 or len(candidates) < 2 or not ctx.recent:
@@ -158,8 +167,14 @@ class ShareFilter:
         within = [c for c in candidates if ctx.recent.get(c.name, 0.0) <= limit]
         if not within or len(within) == len(candidates):
             return list(candidates)
-        floor = max(ctx.matches.get(c.name, 0) for c in within) + self.keep_blocks
-        return [c for c in candidates if c in within or ctx.matches.get(c.name, 0) >= floor]
+        spread = max(ctx.matches.get(c.name, 0) for c in within)
+        return [c for c in candidates if c in within or self._saves_enough(ctx.matches.get(c.name, 0), spread)]
+
+    def _saves_enough(self, cached: int, spread: int) -> bool:
+        """A replica past its share, holding `cached` blocks, stays a candidate (`spread`: the most
+        any replica within its share holds)."""
+        tail = spread > 0 and spread >= self.spread_fraction * cached
+        return cached - spread >= (self.keep_tail_blocks if tail else self.keep_blocks)
 
 
 class SpeculationFilter:

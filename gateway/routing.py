@@ -72,7 +72,9 @@ class Routing:
                               queued_request_blocks=tier.queued_request_blocks,
                               spill_factor=tier.spill_factor, spill_slack=tier.spill_slack,
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
-                              share_keep_blocks=tier.share_keep_blocks, pending_weight=tier.pending_weight,
+                              share_keep_blocks=tier.share_keep_blocks,
+                              share_keep_tail_blocks=tier.share_keep_tail_blocks,
+                              share_spread_fraction=tier.share_spread_fraction, pending_weight=tier.pending_weight,
                               share_weight=tier.share_weight,
                               speculate_max_temperature=tier.speculate_max_temperature,
                               default_temperature=tier.default_temperature)

@@ -203,10 +203,14 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     spill_factor: float = 2.0
     spill_slack: float = 2.5
     # ...and replicas past max(share_factor * mean, mean + share_slack) of recent picks, unless
-    # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home).
+    # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home), or
+    # share_keep_tail_blocks once a replica within its share holds >= share_spread_fraction of
+    # their cached prefix (the shared head has spread; the rest is the request's own context).
     share_factor: float = 1.15
     share_slack: float = 4.0
     share_keep_blocks: int = 16
+    share_keep_tail_blocks: int = 2
+    share_spread_fraction: float = 0.3
     # Prefill routed to a replica whose first token is not back yet counts this much per block.
     pending_weight: float = 0.25
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.

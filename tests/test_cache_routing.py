@@ -17,7 +17,7 @@ from yieldgate.cache import (
     BlockHasher, KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteRequest, Router, RouterConfig,
     SharedPrefixIndex, UnknownPolicy, lora_extra_keys,
 )
-from yieldgate.cache.scorers import HotspotFilter, KVCostScorer, RouteContext
+from yieldgate.cache.scorers import HotspotFilter, KVCostScorer, RouteContext, ShareFilter
 
 
 class Replica(msgspec.Struct):
@@ -247,6 +247,23 @@ def test_share_guard_keeps_long_cached_contexts_home() -> None:
     assert d.replica.name == home.replica.name and d.predicted_cached_tokens == 40 * 32
     # A short prefix does not: the next new request goes to the other replica.
     assert router.pick(RouteRequest(token_ids=tokens(6, 2)), fleet).replica.name != home.replica.name
+
+
+@pytest.mark.parametrize(("matches", "kept"), [
+    # "b" and "c" are within their share; "a" is far past it.
+    ({"a": 25, "b": 0, "c": 0}, True),    # nothing of the head is elsewhere: 25 >= 16 blocks keep it
+    ({"a": 12, "b": 0, "c": 0}, False),   # a 12-block head spreads to a replica within its share
+    ({"a": 28, "b": 25, "c": 0}, True),   # the head has spread; 3 blocks of the session's own turns keep it
+    ({"a": 26, "b": 25, "c": 0}, False),  # one block of its own does not
+    ({"a": 40, "b": 2, "c": 0}, True),    # a common 2-block header is not a spread head: 38 >= 16
+    ({"a": 14, "b": 2, "c": 0}, False),   # ...and 12 more blocks are not enough
+])
+def test_share_guard_keeps_a_sessions_own_context_once_the_shared_head_has_spread(matches, kept) -> None:
+    ctx = RouteContext(request=RouteRequest(), block_hashes=list(range(60)), block_size=16, matches=matches,
+                       loads=dict.fromkeys(matches, 0.0), recent={"a": 60.0, "b": 20.0, "c": 20.0})
+    fleet = [Replica("a"), Replica("b"), Replica("c")]
+    names = [c.name for c in ShareFilter().filter(ctx, fleet)]
+    assert names == (["a", "b", "c"] if kept else ["b", "c"])
 
 
 def test_session_policy_is_sticky_and_needs_no_tokens() -> None:
