@@ -46,7 +46,7 @@ routing-zipf64: 64 simulated replicas x 512 KV blocks, 1,000 tenants with Zipf(1
 sessions, vs round robin, least loaded and consistent hashing:
     python benchmarks/routing.py --zipf 1.0 --sim-tenants 1000 --sim-kv-blocks 512 --sim-requests 6000 \
         --sim-seeds 3 --rates 100,200,400 --out benchmarks/results/routing-zipf64 \
-        --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2,cache_aware+share_keep_blocks=4,cache_aware+share_factor=1.3
+        --policies round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2,cache_aware+share_keep_tail_blocks=16
 The simulated twin reads the engines' KV capacity from their /metrics.
 
 TTFT p90s are compared as a difference to round robin with a 90% bootstrap interval and the share of

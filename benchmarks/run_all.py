@@ -370,7 +370,7 @@ BENCHMARKS = [
               run=["benchmarks/routing.py", "--zipf", "1.0", "--sim-tenants", "1000", "--sim-kv-blocks", "512",
                    "--sim-requests", "6000", "--sim-seeds", "3", "--rates", "100,200,400", "--policies",
                    ("round_robin,least_loaded,consistent_hash,cache_aware,cache_aware_evict,cache_aware+overlap_weight=2,"
-                    "cache_aware+share_keep_blocks=4,cache_aware+share_factor=1.3"),
+                    "cache_aware+share_keep_tail_blocks=16"),
                    "--out", "benchmarks/results/routing-zipf64"],
               quick=["benchmarks/routing.py", "--zipf", "1.0", "--sim-requests", "1500", "--rates", "200",
                      "--policies", "round_robin,consistent_hash,cache_aware",
