@@ -119,11 +119,16 @@ def routing_zipf() -> str:
     ca = [r for r in sim if r["policy"] == "cache_aware"]
     ch = [r for r in sim if r["policy"] == "consistent_hash"]
     ratios = [r["ratio_to_oracle"] for r in ca]
-    ca_load = span([r["load_max_over_mean"] for r in ca], lambda v: f"{v:.2f}")
+    # Every seed's figure, where the file has them, is what the goal is checked against.
+    worst = min(x for r in ca for x in r.get("ratio_to_oracle_by_seed", [r["ratio_to_oracle"]]))
+    loads = [x for r in ca for x in r.get("load_max_over_mean_by_seed", [r["load_max_over_mean"]])]
+    seeds = len(ca[0].get("ratio_to_oracle_by_seed", [0]))
+    ca_load = span(loads, lambda v: f"{v:.2f}")
     ch_load = span([r["load_max_over_mean"] for r in ch], lambda v: f"{v:.1f}")
     ch_ttft = span([r["ttft_p90_s"] for r in ch], lambda v: f"{v:.0f}")
-    return (f"cache_aware {bold(span(ratios, pct), min(ratios) >= 0.95)} of oracle, max/mean load {ca_load}; "
-            f"consistent hashing: max/mean load {ch_load}, TTFT p90 {ch_ttft} s")
+    of_seeds = f" (mean of {seeds} seeds; worst seed {pct(worst)})" if seeds > 1 else ""
+    return (f"cache_aware {bold(span(ratios, pct), worst >= 0.95)} of oracle{of_seeds}, max/mean load "
+            f"{bold(ca_load, max(loads) <= 1.25)}; consistent hashing: max/mean load {ch_load}, TTFT p90 {ch_ttft} s")
 
 
 def loadtest_vs_vllm() -> str:
