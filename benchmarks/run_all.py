@@ -388,7 +388,7 @@ BENCHMARKS = [
               files=["adapter_routing_sim"]),
     Benchmark("adapter_routing_real", "LoRA adapter routing, 2 real engines × 8 adapters × 2 slots",
               "fewest loads; 0 failed",
-              "`python benchmarks/adapter_routing.py --real` ([command](docs/benchmarks.md#adapter-routing-real-engines))",
+              "`python benchmarks/adapter_routing.py --real --rounds 4` ([command](docs/benchmarks.md#adapter-routing-real-engines))",
               adapter_routing_real, run=["benchmarks/adapter_routing.py", "--real", "--rounds", "4"],
               quick=["benchmarks/adapter_routing.py", "--real", "--rounds", "1", "--requests", "40", "--warmup", "8",
                      "--out", str(SCRATCH / "adapter_routing_real")],
