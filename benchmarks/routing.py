@@ -551,7 +551,7 @@ def result_meta(command: str, load: str) -> dict:
 
 def mean_over_seeds(runs: list[list[dict]]) -> list[dict]:
     """One row per rate and policy: the seeds' mean of every figure, with the cached ratio and the
-    load ratio of each seed beside it (one seed of this workload moves the ratio by up to 2 points)."""
+    load ratio of each seed beside it (one seed of this workload moves the ratio by up to 1.5 points)."""
     out = []
     for rows in zip(*runs):
         row = {k: (sum(r[k] for r in rows) / len(rows) if isinstance(v, (int, float)) and not isinstance(v, bool)
