@@ -149,6 +149,11 @@ class ShareFilter:
     busy one holds, the shared head has spread; what the busy replica has beyond it is this
     request's own context (a session's last turns, a user's lines), and ``keep_tail_blocks``
     of it keep the request home: moving it recomputes that context and spreads nothing shared.
+
+    For a LoRA adapter request, a replica that holds the adapter where none within its share
+    does stays too: moving it would load the adapter and unload another one that its own
+    requests then load back, which the share of picks does not weigh (whether spreading an
+    adapter is worth a load is the adapter_affinity scorer's call, made on every candidate).
     """
 
     def __init__(self, factor: float = 1.15, keep_blocks: int = 16, slack: float = 4.0,
@@ -168,7 +173,10 @@ class ShareFilter:
         if not within or len(within) == len(candidates):
             return list(candidates)
         spread = max(ctx.matches.get(c.name, 0) for c in within)
-        return [c for c in candidates if c in within or self._saves_enough(ctx.matches.get(c.name, 0), spread)]
+        affinity = ctx.request.adapter_affinity or {}
+        held = max((affinity.get(c.name, 0.0) for c in within), default=0.0)
+        return [c for c in candidates if c in within or self._saves_enough(ctx.matches.get(c.name, 0), spread)
+                or affinity.get(c.name, 0.0) > held]
 
     def _saves_enough(self, cached: int, spread: int) -> bool:
         """A replica past its share, holding `cached` blocks, stays a candidate (`spread`: the most

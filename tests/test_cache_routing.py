@@ -266,6 +266,22 @@ def test_share_guard_keeps_a_sessions_own_context_once_the_shared_head_has_sprea
     assert names == (["a", "b", "c"] if kept else ["b", "c"])
 
 
+@pytest.mark.parametrize(("affinity", "kept"), [
+    # "a" is far past its share; "b" still holds the adapter's blocks from an earlier residency.
+    ({"a": 1.0, "b": 0.0, "c": 0.0}, True),   # only "a" holds the adapter: moving it means a load
+    ({"a": 1.0, "b": 0.0, "c": 0.5}, True),   # ...a free slot elsewhere still means a load
+    ({"a": 1.0, "b": 1.0, "c": 0.0}, False),  # "b" holds it too, within its share
+    (None, False),                            # a base-model request: the cache alone decides
+])
+def test_share_guard_does_not_move_an_adapter_request_off_its_holder(affinity, kept) -> None:
+    matches = {"a": 20, "b": 20, "c": 0}
+    ctx = RouteContext(request=RouteRequest(adapter_affinity=affinity), block_hashes=list(range(30)), block_size=32,
+                       matches=matches, loads=dict.fromkeys(matches, 0.0), recent={"a": 60.0, "b": 20.0, "c": 20.0})
+    fleet = [Replica("a"), Replica("b"), Replica("c")]
+    names = [c.name for c in ShareFilter().filter(ctx, fleet)]
+    assert names == (["a", "b", "c"] if kept else ["b", "c"])
+
+
 def test_session_policy_is_sticky_and_needs_no_tokens() -> None:
     router = Router("session")
     assert not router.needs_tokens
