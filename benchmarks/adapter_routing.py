@@ -14,14 +14,18 @@ engines), in two regimes, each over `--seeds` seeds:
 (b) demo: 2 replicas x 8 adapters x 2 slots, the CPU demo engines' model (benchmarks/routing.py
     DEMO_ENGINE) and the demo fleet's `fleet.lora.max_loras`, closed-loop concurrency 4.
 
-Policies: round_robin, least_loaded, cache_aware (adapter-blind: a replica loads whatever
-adapter it is sent) and adapter_aware (cache_aware + adapter_affinity), plus adapter_aware with
+Policies: round_robin, least_loaded, cache_aware (adapter-blind: as in the gateway, a request
+goes to the replicas that hold its adapter; held nowhere, it is loaded where a slot is free, else
+where the least loaded replica unloads its least recently used one; and once every holder is
+busy, it is loaded in the background into a free slot elsewhere) and adapter_aware (cache_aware
++ adapter_affinity, weighing every replica while the adapter is on fewer than all), plus adapter_aware with
 each adapter_affinity weight of `--weights` (the tuning of the preset's weight). Per policy:
 cached-token ratio, ratio to the oracle, TTFT p50/p90, adapter loads and unloads per 1,000
 requests, max/mean requests per replica; means over seeds.
 
 Load times: the demo regime's are the demo engine's measured medians (benchmarks/lora_load.py,
-results/lora_load.json: a load and an unload of a rank-8 adapter, HTTP call included). The fleet
+results/lora_load.json: a load and an unload of a rank-8 adapter, HTTP call included), an unload
+preceded by the gateway's wait of two registry syncs (`fleet.lora.sync_s`, 0.5 s). The fleet
 regime's load takes `--lora-load-s` (0.1 s, unloads free): an assumption for a GPU engine, which
 this machine cannot measure; the relative figures hold from 0.05 to 0.2 s (docs/benchmarks.md).
 
@@ -65,6 +69,7 @@ from yieldgate.cache.policies import ADAPTER_AFFINITY_WEIGHT  # noqa: E402
 from yieldgate.cache.simulator import EngineModel, PromptBuilder, SimConfig, run_simulation  # noqa: E402
 from yieldgate.gateway.simulate import demo_tokenizer  # noqa: E402
 from yieldgate.loadtest import AdapterWorkload  # noqa: E402
+from yieldgate.serving.config import LoraConfig  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["round_robin", "least_loaded", "cache_aware", "adapter_aware"]
@@ -97,9 +102,11 @@ class Regime(msgspec.Struct, kw_only=True):
 
 
 def demo_lora_times() -> tuple[float, float]:
-    """(load, unload) seconds on a demo engine: the medians benchmarks/lora_load.py measured."""
+    """(load, unload) seconds on a demo engine through the gateway: the medians
+    benchmarks/lora_load.py measured; an unload also waits two registry syncs first, as the
+    gateway does with a shared (Redis) registry so that other gateways stop sending there."""
     summary = json.loads((RESULTS / "lora_load.json").read_text())["summary"]
-    return summary["load_s"]["p50"], summary["unload_s"]["p50"]
+    return summary["load_s"]["p50"], summary["unload_s"]["p50"] + 2 * LoraConfig().sync_s
 
 
 def demo_regime(requests: int) -> Regime:

@@ -78,6 +78,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # The gateway calls Router.observe once the upstream POST has answered (response headers),
     # not at pick time: concurrent requests in between do not see the prefix on its replica.
     observe_delay_s: float = 0.0
+    # LoRA placement on demand (an adapter's `placement = {replicas = N}`): on up to this many
+    # replicas at once; 0 = up to every replica.
+    adapter_replicas: int = 0
 
 
 class PolicyResult(msgspec.Struct, kw_only=True):
@@ -292,6 +295,10 @@ class SimReplica:
         self._loader_free_at = max(self.sim.now, self._loader_free_at) + unload_s + self.model.lora_load_s
         self._loaded_at[adapter] = self._loader_free_at
         return self._loader_free_at
+
+    def preload(self, adapter: str) -> None:
+        """Load `adapter` into a free slot with no request waiting for it (the gateway's spread)."""
+        self._adapter_ready(adapter)
 
     def _admit_adapter_request(self, req: SimRequest) -> bool:
         """Queue `req` once its adapter is loaded; False if no slot can take the adapter yet."""
@@ -533,10 +540,8 @@ class FleetSimulator:
         req = SimRequest(next(self._ids), session.id, turn, tokens, hashes, max_tokens, self.now, adapter)
         req.oracle_blocks = self._oracle.observe(hashes, len(tokens))
         route = RouteRequest(block_hashes=hashes, session_id=session.id if self.config.session_ids else None)
-        if adapter is not None and self.router.scores_adapters:
-            # As the gateway, for a policy that weighs it: every replica may load the adapter.
-            route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
-        decision = self.router.pick(route, self.replicas)
+        candidates = self.replicas if adapter is None else self._adapter_candidates(adapter, route)
+        decision = self.router.pick(route, candidates)
         req.predicted = decision.predicted_cached_tokens
         if self.config.observe_delay_s > 0:
             self.schedule(self.now + self.config.observe_delay_s, self.router.sent, decision)
@@ -546,6 +551,27 @@ class FleetSimulator:
         # As in the gateway, a request's prefill stops counting as pending at its first token.
         req.on_first_token = lambda: self.router.first_token(decision)
         decision.replica.submit(req)
+
+    def _adapter_candidates(self, adapter: str, route: RouteRequest) -> list[SimReplica]:
+        """Where a request for `adapter` may go, as in the gateway (gateway/proxy.py `_candidates`,
+        serving.Adapters): the replicas that hold it. A policy that weighs adapter affinity also
+        gets every other replica while the adapter is on fewer than `adapter_replicas` (the pick
+        loads it there). Held nowhere: the replica the gateway loads it on (a free slot first,
+        then the least loaded). Any other policy spreads it, in the background, to a replica with
+        a free slot once every holder has a request in flight."""
+        limit = self.config.adapter_replicas or len(self.replicas)
+        holders = [r for r in self.replicas if adapter in r.adapters]
+        if not holders:
+            return [min(self.replicas, key=lambda r: (-r.affinity(adapter), r.inflight))]
+        if len(holders) < limit:
+            if self.router.scores_adapters:
+                route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
+                return self.replicas
+            if min(r.inflight for r in holders) >= 1:
+                free = [r for r in self.replicas if r.affinity(adapter) == 0.5]
+                if free:
+                    free[0].preload(adapter)
+        return holders
 
     # -- results -----------------------------------------------------------------------------------
     def _result(self) -> PolicyResult:

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from yieldgate.cache.scorers import adapter_affinity
+from yieldgate.cache.scorers import RouteRequest, adapter_affinity
 from yieldgate.cache.simulator import EngineModel, FleetSimulator, PromptBuilder, SimConfig, SimRequest, run_simulation
 from yieldgate.gateway.simulate import demo_tokenizer
 from yieldgate.loadtest import AdapterWorkload, Session, SharedPrefixWorkload, Turn
@@ -130,12 +130,42 @@ def adapter_run(policy: str, prompts) -> object:
     return run_simulation(workload, cfg, prompts=prompts)
 
 
-def test_adapter_aware_loads_fewer_adapters_than_round_robin(prompts):
-    rr, aware = adapter_run("round_robin", prompts), adapter_run("adapter_aware", prompts)
-    assert rr.adapter_requests == aware.adapter_requests == 300
-    assert aware.loads_per_1k < rr.loads_per_1k / 2
-    assert aware.unloads_per_1k < rr.unloads_per_1k
-    assert aware.ratio_to_oracle > rr.ratio_to_oracle
+def three_replicas(policy: str, adapter_replicas: int = 0) -> tuple[FleetSimulator, list]:
+    """r0 holds "a", r1's two slots hold "x" and "y", r2 has both slots free."""
+    cfg = SimConfig(policy=policy, replicas=3, adapter_replicas=adapter_replicas,
+                    engine=EngineModel(max_loras=2, lora_load_s=0.1))
+    fleet = FleetSimulator(cfg, iter(()), prompts=None)
+    for replica, adapters in zip(fleet.replicas, (["a"], ["x", "y"])):
+        for adapter in adapters:
+            replica.preload(adapter)
+    return fleet, fleet.replicas
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_a_policy_blind_to_adapters_goes_where_the_gateway_sends_it(policy):
+    fleet, (r0, _, r2) = three_replicas(policy)
+    route = RouteRequest()
+    assert fleet._adapter_candidates("a", route) == [r0] and route.adapter_affinity is None
+    assert "a" not in r2.adapters  # its holder is idle: nothing to spread
+    r0.inflight = 1  # every holder busy: the gateway loads it into a free slot in the background
+    assert fleet._adapter_candidates("a", route) == [r0] and "a" in r2.adapters
+    # Held nowhere: loaded where a slot is free, before a replica that would have to unload one.
+    assert fleet._adapter_candidates("b", route) == [r2]
+
+
+def test_adapter_aware_weighs_every_replica_until_the_adapter_reaches_its_placement():
+    fleet, (r0, r1, r2) = three_replicas("adapter_aware")
+    route = RouteRequest()
+    assert fleet._adapter_candidates("a", route) == [r0, r1, r2]
+    assert route.adapter_affinity == {r0.name: 1.0, r1.name: 0.0, r2.name: 0.5}
+    fleet, (r0, r1, r2) = three_replicas("adapter_aware", adapter_replicas=1)
+    assert fleet._adapter_candidates("a", RouteRequest()) == [r0]  # placed on 1 replica, and it is there
+
+
+def test_adapter_aware_loads_no_more_than_a_policy_blind_to_adapters(prompts):
+    blind, aware = adapter_run("cache_aware", prompts), adapter_run("adapter_aware", prompts)
+    assert blind.adapter_requests == aware.adapter_requests == 300
+    assert aware.loads_per_1k <= blind.loads_per_1k
 
 
 def test_base_model_runs_count_no_loads(prompts):
