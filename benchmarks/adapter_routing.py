@@ -24,8 +24,7 @@ cached-token ratio, ratio to the oracle, TTFT p50/p90, adapter loads and unloads
 requests, max/mean requests per replica; means over seeds.
 
 Load times: the demo regime's are the demo engine's measured medians (benchmarks/lora_load.py,
-results/lora_load.json: a load and an unload of a rank-8 adapter, HTTP call included), an unload
-preceded by the gateway's wait of two registry syncs (`fleet.lora.sync_s`, 0.5 s). The fleet
+results/lora_load.json: a load and an unload of a rank-8 adapter, HTTP call included). The fleet
 regime's load takes `--lora-load-s` (0.1 s, unloads free): an assumption for a GPU engine, which
 this machine cannot measure; the relative figures hold from 0.05 to 0.2 s (docs/benchmarks.md).
 
@@ -69,7 +68,6 @@ from yieldgate.cache.policies import ADAPTER_AFFINITY_WEIGHT  # noqa: E402
 from yieldgate.cache.simulator import EngineModel, PromptBuilder, SimConfig, run_simulation  # noqa: E402
 from yieldgate.gateway.simulate import demo_tokenizer  # noqa: E402
 from yieldgate.loadtest import AdapterWorkload  # noqa: E402
-from yieldgate.serving.config import LoraConfig  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["round_robin", "least_loaded", "cache_aware", "adapter_aware"]
@@ -102,11 +100,9 @@ class Regime(msgspec.Struct, kw_only=True):
 
 
 def demo_lora_times() -> tuple[float, float]:
-    """(load, unload) seconds on a demo engine through the gateway: the medians
-    benchmarks/lora_load.py measured; an unload also waits two registry syncs first, as the
-    gateway does with a shared (Redis) registry so that other gateways stop sending there."""
+    """(load, unload) seconds on a demo engine: the medians benchmarks/lora_load.py measured."""
     summary = json.loads((RESULTS / "lora_load.json").read_text())["summary"]
-    return summary["load_s"]["p50"], summary["unload_s"]["p50"] + 2 * LoraConfig().sync_s
+    return summary["load_s"]["p50"], summary["unload_s"]["p50"]
 
 
 def demo_regime(requests: int) -> Regime:

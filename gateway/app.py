@@ -83,7 +83,7 @@ class Gateway:
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self)
-        self.adapters = Adapters(self.fleet)
+        self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
         self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters, self.drain,
                            self.instance_id)
         self.weights = WeightOrchestrator(self)

@@ -5,6 +5,11 @@ registry entries (name -> the adapter without its placements), a hash of residen
 (`name \\t engine name \\t replica` -> placement, written field by field so gateways that load
 different adapters never overwrite each other), a hash of last-use times for LRU unloading, and
 Redis locks, so two gateways never load or unload on one replica at the same time.
+
+Every residency write bumps the registry's version (in one transaction with it), every read
+returns the version it saw, and each gateway writes the version it has taken in (`seen`): a
+gateway that marks an adapter `unloading` waits until every other live gateway has read that
+mark, not a fixed delay (`others_saw`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 import msgspec
@@ -67,17 +73,28 @@ class Adapter(msgspec.Struct):
 class AdapterStore(Protocol):
     shared: bool
 
-    async def read(self) -> tuple[dict[str, Adapter], dict[str, float]] | None:
-        """Every adapter with its placements, and last-use times (`replica \\t engine` -> unix
-        time); None when the store is this gateway's memory (nothing to read back)."""
+    async def read(self) -> tuple[dict[str, Adapter], dict[str, float], int] | None:
+        """Every adapter with its placements, last-use times (`replica \\t engine` -> unix
+        time) and the registry's version they are at; None when the store is this gateway's
+        memory (nothing to read back)."""
 
     async def save(self, adapter: Adapter) -> None: ...
 
     async def drop(self, name: str) -> None: ...
 
-    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None: ...
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
+        """Write one residency entry; returns the registry's version that includes it."""
 
     async def used(self, times: dict[str, float]) -> None: ...
+
+    async def seen(self, gateway: str, version: int) -> None:
+        """`gateway` has taken in the registry up to `version` (0: it is starting)."""
+
+    async def others_saw(self, version: int, gateway: str, live_s: float) -> bool | None:
+        """Whether every gateway but `gateway` that said `seen` within `live_s` has seen
+        `version`; None when there is no other such gateway."""
+
+    async def leave(self, gateway: str) -> None: ...
 
     def lock(self, key: str) -> contextlib.AbstractAsyncContextManager: ...
 
@@ -99,10 +116,19 @@ class LocalStore:
     async def drop(self, name: str) -> None:
         pass
 
-    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None:
-        pass
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
+        return 0
 
     async def used(self, times: dict[str, float]) -> None:
+        pass
+
+    async def seen(self, gateway: str, version: int) -> None:
+        pass
+
+    async def others_saw(self, version: int, gateway: str, live_s: float) -> bool | None:
+        return None
+
+    async def leave(self, gateway: str) -> None:
         pass
 
     def lock(self, key: str) -> asyncio.Lock:
@@ -118,19 +144,19 @@ class RedisStore:
     def __init__(self, client: "aioredis.Redis", prefix: str):
         self.client, self.prefix = client, prefix
         self._registry, self._residency, self._used = prefix + "registry", prefix + "residency", prefix + "used"
+        self._version, self._seen = prefix + "version", prefix + "seen"
 
-    async def read(self) -> tuple[dict[str, Adapter], dict[str, float]]:
-
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self._registry).hgetall(self._residency).hgetall(self._used)
-            registry, residency, used = await pipe.execute()
+    async def read(self) -> tuple[dict[str, Adapter], dict[str, float], int]:
+        async with self.client.pipeline(transaction=True) as pipe:  # one snapshot, at one version
+            pipe.get(self._version).hgetall(self._registry).hgetall(self._residency).hgetall(self._used)
+            version, registry, residency, used = await pipe.execute()
         adapters = {k.decode(): msgspec.msgpack.decode(v, type=Adapter) for k, v in registry.items()}
         for field, value in residency.items():
             name, engine, replica = field.decode().split("\t")
             if name in adapters:
                 adapters[name].placements.setdefault(engine, {})[replica] = \
                     msgspec.msgpack.decode(value, type=Placement)
-        return adapters, {k.decode(): float(v) for k, v in used.items()}
+        return adapters, {k.decode(): float(v) for k, v in used.items()}, int(version or 0)
 
     async def save(self, adapter: Adapter) -> None:
         entry = msgspec.structs.replace(adapter, placements={})
@@ -139,16 +165,38 @@ class RedisStore:
     async def drop(self, name: str) -> None:
         await self.client.hdel(self._registry, name)
 
-    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> None:
+    async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
         field = f"{name}\t{engine}\t{replica}"
-        if placement is None:
-            await self.client.hdel(self._residency, field)
-        else:
-            await self.client.hset(self._residency, field, msgspec.msgpack.encode(placement))
+        async with self.client.pipeline(transaction=True) as pipe:
+            if placement is None:
+                pipe.hdel(self._residency, field)
+            else:
+                pipe.hset(self._residency, field, msgspec.msgpack.encode(placement))
+            pipe.incr(self._version)
+            return int((await pipe.execute())[-1])
 
     async def used(self, times: dict[str, float]) -> None:
         if times:
             await self.client.hset(self._used, mapping=times)
+
+    # Gateways' clocks are taken to agree to well under `live_s`, as last-use times already are.
+    async def seen(self, gateway: str, version: int) -> None:
+        await self.client.hset(self._seen, gateway, f"{version} {time.time()}")
+
+    async def others_saw(self, version: int, gateway: str, live_s: float) -> bool | None:
+        now, others, gone = time.time(), [], []
+        for key, value in (await self.client.hgetall(self._seen)).items():
+            seen, at = value.decode().split()
+            if key.decode() != gateway and now - float(at) < live_s:
+                others.append(int(seen))
+            elif now - float(at) > 100 * live_s:
+                gone.append(key)  # a gateway that stopped without leaving
+        if gone:
+            await self.client.hdel(self._seen, *gone)
+        return all(v >= version for v in others) if others else None
+
+    async def leave(self, gateway: str) -> None:
+        await self.client.hdel(self._seen, gateway)
 
     @contextlib.asynccontextmanager
     async def lock(self, key: str) -> AsyncIterator[None]:

@@ -18,9 +18,11 @@ Redis (serving/adapter_store.py), so gateways that share it agree on them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
@@ -39,6 +41,9 @@ log = logging.getLogger("yieldgate.adapters")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # no ":" (tier suffix), "@" or "/"
 # How long a retired version waits for its last requests before it is unloaded regardless.
 RETIRE_WAIT_S = 600.0
+# After every other gateway has read an `unloading` mark: time for a request one of them routed
+# just before its read to reach the engine's running/waiting counts.
+UNLOAD_GRACE_S = 0.1
 
 LOADING, RESIDENT, FAILED, UNLOADING = "loading", "resident", "failed", "unloading"
 
@@ -104,8 +109,11 @@ class AdapterRoute:
 class Adapters:
     """The fleet's adapters: registry, placement on replicas, version switches, rollback."""
 
-    def __init__(self, fleet: Fleet, client: LoraClient | None = None, store: AdapterStore | None = None):
+    def __init__(self, fleet: Fleet, client: LoraClient | None = None, store: AdapterStore | None = None,
+                 instance_id: str = ""):
         self.fleet = fleet
+        # How the store's `seen` names this process: unique even if two gateways share an instance id.
+        self.instance = f"{instance_id or 'gateway'}:{uuid.uuid4().hex[:12]}"
         self.base = fleet.config.model
         self.lora: LoraConfig = fleet.config.lora
         self.client = client or LoraClient()
@@ -126,6 +134,9 @@ class Adapters:
     async def start(self, store: AdapterStore) -> None:
         """Share the registry through `store` (read now, then every `lora.sync_s`)."""
         self.store = store
+        if store.shared:  # a gateway that has not read the registry yet holds up unloads too
+            with contextlib.suppress(Exception):
+                await store.seen(self.instance, 0)
         await self.sync()
         if store.shared:
             self._spawn(self._sync_every(self.lora.sync_s))
@@ -136,6 +147,8 @@ class Adapters:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
+        with contextlib.suppress(Exception):
+            await self.store.leave(self.instance)
         await self.store.close()
 
     def _spawn(self, coro) -> asyncio.Task:
@@ -165,7 +178,7 @@ class Adapters:
             return
         if got is None or writes != self._writes:
             return
-        remote, used = got
+        remote, used, version = got
         for name, fresh in remote.items():
             local = self.adapters.get(name)
             if local is None:
@@ -178,8 +191,13 @@ class Adapters:
             self._routes.pop(name, None)
         for key, at in used.items():
             self._used[key] = max(at, self._used.get(key, 0.0))
+        try:
+            await self.store.seen(self.instance, version)  # applied: routes no longer see what it replaced
+        except Exception as exc:  # noqa: BLE001 - the next sync says it again
+            log.warning("adapter registry: could not record the version read: %s: %s", type(exc).__name__, exc)
 
-    async def _set(self, adapter: Adapter, engine: str, replica: str, placement: Placement | None) -> None:
+    async def _set(self, adapter: Adapter, engine: str, replica: str, placement: Placement | None) -> int:
+        """Change one residency entry here and in the store; returns the registry's version."""
         self._writes += 1
         if placement is None:
             adapter.placements.get(engine, {}).pop(replica, None)
@@ -187,7 +205,7 @@ class Adapters:
                 del adapter.placements[engine]
         else:
             adapter.placements.setdefault(engine, {})[replica] = placement
-        await self.store.place(adapter.name, engine, replica, placement)
+        return await self.store.place(adapter.name, engine, replica, placement)
 
     async def _save(self, adapter: Adapter) -> None:
         self._writes += 1
@@ -374,10 +392,11 @@ class Adapters:
                           if a.replicas and e not in keep and not self._on_replica.get(f"{replica.name}\t{e}")),
                          key=lambda ae: self._used.get(f"{replica.name}\t{ae[1]}", 0.0))
         for adapter, engine in victims:
-            # Other gateways stop sending it there (they read `unloading` within one sync), then
-            # the engine must show no request of it running or waiting.
-            await self._set(adapter, engine, replica.name, Placement(UNLOADING, engine_started=replica.engine_started or 0.0))
-            await asyncio.sleep(2 * self.lora.sync_s if self.store.shared else 0)
+            # Other gateways stop sending it there, then the engine must show no request of it
+            # running or waiting.
+            version = await self._set(adapter, engine, replica.name,
+                                      Placement(UNLOADING, engine_started=replica.engine_started or 0.0))
+            await self._others_saw(version)
             if self._on_replica.get(f"{replica.name}\t{engine}") or engine in await self.client.busy(replica.url):
                 await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
                 continue
@@ -585,6 +604,26 @@ class Adapters:
                     await self._unload(replica, engine)
                 await self._set(adapter, engine, name, None)
         log.warning("adapter %s unloaded", engine)
+
+    async def _others_saw(self, version: int) -> None:
+        """Wait until every other live gateway has taken in the registry at `version` (each says
+        so after every sync), at most two syncs. None: go on at once. Then a short grace, for
+        a request another gateway routed just before its sync to reach the engine's counts."""
+        if not self.store.shared:
+            return
+        deadline = time.monotonic() + 2 * self.lora.sync_s
+        while True:
+            try:
+                saw = await self.store.others_saw(version, self.instance, live_s=3 * self.lora.sync_s)
+            except Exception as exc:  # noqa: BLE001 - Redis trouble: fall back to waiting two syncs
+                log.warning("adapter registry: %s: %s", type(exc).__name__, exc)
+                saw = False
+            if saw is None:
+                return
+            if saw or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(0.05, self.lora.sync_s / 4))
+        await asyncio.sleep(max(0.0, min(UNLOAD_GRACE_S, deadline - time.monotonic())))
 
     async def _busy(self, replica: Replica) -> set[str]:
         try:
