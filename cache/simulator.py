@@ -555,22 +555,22 @@ class FleetSimulator:
     def _adapter_candidates(self, adapter: str, route: RouteRequest) -> list[SimReplica]:
         """Where a request for `adapter` may go, as in the gateway (gateway/proxy.py `_candidates`,
         serving.Adapters): the replicas that hold it. A policy that weighs adapter affinity also
-        gets every other replica while the adapter is on fewer than `adapter_replicas` (the pick
-        loads it there). Held nowhere: the replica the gateway loads it on (a free slot first,
-        then the least loaded). Any other policy spreads it, in the background, to a replica with
-        a free slot once every holder has a request in flight."""
+        gets every other replica while the adapter is on fewer than `adapter_replicas`, held or
+        not (the pick loads it there). Under any other policy, an adapter held nowhere goes to the
+        replica the gateway loads it on (a free slot first, then the least loaded), and one held
+        is spread, in the background, to a replica with a free slot once every holder has a
+        request in flight."""
         limit = self.config.adapter_replicas or len(self.replicas)
         holders = [r for r in self.replicas if adapter in r.adapters]
+        if len(holders) < limit and self.router.scores_adapters:
+            route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
+            return self.replicas
         if not holders:
             return [min(self.replicas, key=lambda r: (-r.affinity(adapter), r.inflight))]
-        if len(holders) < limit:
-            if self.router.scores_adapters:
-                route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
-                return self.replicas
-            if min(r.inflight for r in holders) >= 1:
-                free = [r for r in self.replicas if r.affinity(adapter) == 0.5]
-                if free:
-                    free[0].preload(adapter)
+        if len(holders) < limit and min(r.inflight for r in holders) >= 1:
+            free = [r for r in self.replicas if r.affinity(adapter) == 0.5]
+            if free:
+                free[0].preload(adapter)
         return holders
 
     # -- results -----------------------------------------------------------------------------------

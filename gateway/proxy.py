@@ -239,7 +239,9 @@ class Proxy:
 
     async def _candidates(self, ctx: RequestContext, failed: set[str]) -> list[Replica]:
         """The routing candidates; for an adapter, those that hold its version, after loading it
-        (the request waits, bounded) where no replica of the tier or its fallback holds it."""
+        (the request waits, bounded) where no replica of the tier or its fallback holds it. A
+        policy that weighs adapter affinity also gets the tier's other replicas while the adapter
+        is on fewer than its placement allows, held or not: it picks where to load it."""
         route = ctx.adapter
         if route is None or ctx.pinned is not None:
             return await self.routing.targets(ctx, failed, self._failover)
@@ -247,10 +249,12 @@ class Proxy:
         candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
         routable = [r for r in self.fleet.candidates(ctx.tier) if r.name not in failed] \
             or [r for r in self.fleet.fallback(ctx.tier)[1] if r.name not in failed]
-        if candidates and self.routing.scores_adapters(ctx.tier) and self.adapters.may_spread(route):
-            # The policy weighs the adapter's affinity against cache and load: replicas that
-            # would have to load it are candidates too (the pick loads it there, see `_open`).
-            candidates += [r for r in routable if r not in candidates and r.tier == ctx.tier]
+        others = [r for r in routable if r not in candidates and r.tier == ctx.tier]
+        if (candidates or others) and self.routing.scores_adapters(ctx.tier) and self.adapters.may_spread(route):
+            # The policy weighs the adapter's affinity against cache and load (a replica that
+            # still caches the adapter's prefix from an earlier residency, a free slot): replicas
+            # that would have to load it are candidates too (the pick loads it there, see `_open`).
+            candidates += others
             ctx.route.adapter_affinity = {r.name: self.adapters.affinity(route, r) for r in candidates}
         elif candidates:
             self.adapters.spread(route, routable)

@@ -158,6 +158,9 @@ def test_adapter_aware_weighs_every_replica_until_the_adapter_reaches_its_placem
     route = RouteRequest()
     assert fleet._adapter_candidates("a", route) == [r0, r1, r2]
     assert route.adapter_affinity == {r0.name: 1.0, r1.name: 0.0, r2.name: 0.5}
+    route = RouteRequest()  # held nowhere: the policy picks where to load it
+    assert fleet._adapter_candidates("b", route) == [r0, r1, r2]
+    assert route.adapter_affinity == {r0.name: 0.5, r1.name: 0.0, r2.name: 0.5}
     fleet, (r0, r1, r2) = three_replicas("adapter_aware", adapter_replicas=1)
     assert fleet._adapter_candidates("a", RouteRequest()) == [r0]  # placed on 1 replica, and it is there
 
