@@ -210,13 +210,15 @@ class Proxy:
             ctx.bind(replica, decision.predicted_cached_tokens)
             self.routing.sent(ctx, decision)
             if ctx.adapter is not None:
+                # Counted on the replica before any load: a full replica never unloads an adapter
+                # that a request is about to run there.
+                ctx.adapter_sent_to = self.adapters.touch(ctx.adapter, replica, ctx.adapter_sent_to)
                 if not self.adapters.holds(ctx.adapter, replica):  # picked to take the adapter on
                     try:
                         await self._load_adapter(ctx, [replica])
                     except BaseException:
                         self.routing.done(ctx)
                         raise
-                ctx.adapter_sent_to = self.adapters.touch(ctx.adapter, replica, ctx.adapter_sent_to)
             try:
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
                                                 b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
@@ -260,8 +262,14 @@ class Proxy:
             self.adapters.spread(route, routable)
         if candidates or not routable:
             return candidates
-        await self._load_adapter(ctx, routable)
-        return await self.routing.candidates(ctx, failed, self._failover, holds)
+        deadline = time.monotonic() + self.config.fleet.lora.load_wait_s
+        while True:
+            await self._load_adapter(ctx, routable)
+            candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
+            if candidates or time.monotonic() >= deadline:
+                return candidates
+            # Unloaded again before this request was routed there (another request needed the
+            # slot, and this one was not counted on the replica yet): load it again.
 
     async def _load_adapter(self, ctx: RequestContext, replicas: list[Replica]) -> None:
         """Load the request's adapter version on one of `replicas`; the request waits (bounded)."""

@@ -610,6 +610,7 @@ class Adapters:
         so after every sync), at most two syncs. None: go on at once. Then a short grace, for
         a request another gateway routed just before its sync to reach the engine's counts."""
         if not self.store.shared:
+            await asyncio.sleep(0)  # a request routed here just now is counted on the replica first
             return
         deadline = time.monotonic() + 2 * self.lora.sync_s
         while True:

@@ -158,3 +158,37 @@ def test_a_version_read_during_a_local_change_is_not_said_to_be_seen(redis_url):
             await _clean(redis_url, prefix)
 
     asyncio.run(run())
+
+
+def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_again():
+    """A request for an adapter held nowhere waits for its load, then routes among the holders.
+    If another request's load unloaded it meanwhile (this one was not counted on the replica
+    yet), it loads it again instead of answering 503 (seen once in 400 requests on two engines)."""
+    from test_adapter_slots import on_demand
+
+    from yieldgate.gateway.app import Gateway
+    from yieldgate.gateway.config import Config
+    from yieldgate.gateway.context import RequestContext
+    from yieldgate.serving.config import FleetConfig, ReplicaConfig
+
+    async def run() -> None:
+        gateway = Gateway(Config(fleet=FleetConfig(model="demo", lora=LoraConfig(max_loras=2), replicas=[
+            ReplicaConfig(name="a", url="http://127.0.9.1:9"), ReplicaConfig(name="b", url="http://127.0.9.2:9")])))
+        adapters = gateway.adapters
+        for replica in gateway.fleet.replicas.values():
+            replica.healthy = True
+        adapters.adapters["x"] = adapter = on_demand("x")
+        loads: list[list[str]] = []
+
+        async def ensure(route, replicas) -> None:
+            loads.append([r.name for r in replicas])
+            if len(loads) > 1:  # the first load's adapter is gone again by the time it routes
+                adapter.placements["x@v1"] = {"a": Placement("resident")}
+
+        adapters.ensure = ensure  # type: ignore[method-assign]
+        ctx = RequestContext(request_id="r", kind="completions", model="x", tier="standard", started=0.0,
+                             adapter=adapters.resolve("x"))
+        candidates = await gateway.proxy._candidates(ctx, set())
+        assert [r.name for r in candidates] == ["a"] and loads == [["a", "b"], ["a", "b"]]
+
+    asyncio.run(run())
