@@ -38,6 +38,8 @@ def simulate_command(
     max_loras: int = typer.Option(2, help="Adapter slots per replica (vLLM --max-loras)."),
     lora_load_s: float = typer.Option(0.1, help="Seconds one adapter load takes on a replica."),
     lora_unload_s: float = typer.Option(0.0, help="Seconds the unload that empties a slot takes."),
+    adapter_replicas: int = typer.Option(0, help="Each adapter's placement {replicas = N}: loaded on "
+                                         "demand on up to N replicas; 0: up to every replica."),
     policies: str = typer.Option("", help=f"Comma-separated [default: {POLICIES}; with --adapters: {ADAPTER_POLICIES}]."),
     seed: int = typer.Option(0, help="Workload and arrival seed."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -53,7 +55,7 @@ def simulate_command(
                        (AgentSessionWorkload(seed=seed, output_tokens=64, words_per_token=0.42), agent_share)],
                       seed=seed)
     cfg = SimConfig(replicas=replicas, requests=requests, rate=rate, seed=seed, session_ids=True,
-                    engine=EngineModel(kv_capacity_blocks=kv_blocks, max_loras=max_loras,
+                    adapter_replicas=adapter_replicas, engine=EngineModel(kv_capacity_blocks=kv_blocks, max_loras=max_loras,
                                        lora_load_s=lora_load_s, lora_unload_s=lora_unload_s))
     names = [p.strip() for p in (policies or (ADAPTER_POLICIES if adapters else POLICIES)).split(",") if p.strip()]
     try:

@@ -203,3 +203,9 @@ def test_simulate_cli_compares_adapter_policies_with_loads_per_1000_requests():
     table = runner.invoke(app, ["simulate", "--replicas", "2", "--adapters", "8", "--requests", "40",
                                 "--policies", "adapter_aware"])
     assert table.exit_code == 0 and "loads/1k" in table.stdout and "adapter_aware" in table.stdout
+    # Placed on one replica at most, no adapter is loaded a second time beside its first copy.
+    one = runner.invoke(app, ["simulate", "--replicas", "2", "--tenants", "4", "--adapters", "8", "--max-loras", "2",
+                              "--requests", "120", "--rate", "10", "--agent-share", "0", "--json",
+                              "--policies", "adapter_aware", "--adapter-replicas", "1"])
+    assert one.exit_code == 0, one.output
+    assert json.loads(one.stdout)[0]["loads_per_1k"] < results["adapter_aware"]["loads_per_1k"]
