@@ -6,10 +6,11 @@ registry entries (name -> the adapter without its placements), a hash of residen
 different adapters never overwrite each other), a hash of last-use times for LRU unloading, and
 Redis locks, so two gateways never load or unload on one replica at the same time.
 
-Every residency write bumps the registry's version (in one transaction with it), every read
+Every write bumps the registry's version (in one transaction with it), every read
 returns the version it saw, and each gateway writes the version it has taken in (`seen`): a
-gateway that marks an adapter `unloading` waits until every other live gateway has read that
-mark, not a fixed delay (`others_saw`).
+gateway that marks an adapter `unloading` (or switches it to another version, or removes it)
+waits until every other live gateway has read that change before unloading, not a fixed delay
+(`others_saw`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 import msgspec
 
@@ -78,9 +79,10 @@ class AdapterStore(Protocol):
         time) and the registry's version they are at; None when the store is this gateway's
         memory (nothing to read back)."""
 
-    async def save(self, adapter: Adapter) -> None: ...
+    async def save(self, adapter: Adapter) -> int:
+        """Write one registry entry; returns the registry's version that includes it."""
 
-    async def drop(self, name: str) -> None: ...
+    async def drop(self, name: str) -> int: ...
 
     async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
         """Write one residency entry; returns the registry's version that includes it."""
@@ -110,11 +112,11 @@ class LocalStore:
     async def read(self) -> None:
         return None
 
-    async def save(self, adapter: Adapter) -> None:
-        pass
+    async def save(self, adapter: Adapter) -> int:
+        return 0
 
-    async def drop(self, name: str) -> None:
-        pass
+    async def drop(self, name: str) -> int:
+        return 0
 
     async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
         return 0
@@ -158,20 +160,23 @@ class RedisStore:
                     msgspec.msgpack.decode(value, type=Placement)
         return adapters, {k.decode(): float(v) for k, v in used.items()}, int(version or 0)
 
-    async def save(self, adapter: Adapter) -> None:
+    async def save(self, adapter: Adapter) -> int:
         entry = msgspec.structs.replace(adapter, placements={})
-        await self.client.hset(self._registry, adapter.name, msgspec.msgpack.encode(entry))
+        return await self._write(lambda pipe: pipe.hset(self._registry, adapter.name, msgspec.msgpack.encode(entry)))
 
-    async def drop(self, name: str) -> None:
-        await self.client.hdel(self._registry, name)
+    async def drop(self, name: str) -> int:
+        return await self._write(lambda pipe: pipe.hdel(self._registry, name))
 
     async def place(self, name: str, engine: str, replica: str, placement: Placement | None) -> int:
         field = f"{name}\t{engine}\t{replica}"
+        if placement is None:
+            return await self._write(lambda pipe: pipe.hdel(self._residency, field))
+        return await self._write(lambda pipe: pipe.hset(self._residency, field, msgspec.msgpack.encode(placement)))
+
+    async def _write(self, command: Callable[[Any], Any]) -> int:
+        """One write and the version bump, in one transaction; returns the new version."""
         async with self.client.pipeline(transaction=True) as pipe:
-            if placement is None:
-                pipe.hdel(self._residency, field)
-            else:
-                pipe.hset(self._residency, field, msgspec.msgpack.encode(placement))
+            command(pipe)
             pipe.incr(self._version)
             return int((await pipe.execute())[-1])
 

@@ -207,9 +207,9 @@ class Adapters:
             adapter.placements.setdefault(engine, {})[replica] = placement
         return await self.store.place(adapter.name, engine, replica, placement)
 
-    async def _save(self, adapter: Adapter) -> None:
+    async def _save(self, adapter: Adapter) -> int:
         self._writes += 1
-        await self.store.save(adapter)
+        return await self.store.save(adapter)
 
     # -- the request path --------------------------------------------------------------------------
 
@@ -502,8 +502,7 @@ class Adapters:
                 self._check_canary(adapter, canary)
             if adapter.canary is not None:  # the trial ends; the version that serves stays
                 version, adapter.canary = adapter.canary.version, None
-                await self._save(adapter)
-                self._retire(adapter, engine_name(name, version))
+                self._retire(adapter, engine_name(name, version), await self._save(adapter))
                 return adapter
             if len(adapter.history) < 2:
                 raise AdapterConflict(f"Adapter {name!r} has no earlier version to roll back to.")
@@ -523,9 +522,9 @@ class Adapters:
             self._writes += 1
             del self.adapters[name]
             self._routes.pop(name, None)
-            await self.store.drop(name)
+            dropped = await self.store.drop(name)
             for engine in list(adapter.placements):
-                self._retire(adapter, engine)
+                self._retire(adapter, engine, dropped)
 
     def _get(self, name: str) -> Adapter:
         adapter = self.adapters.get(name)
@@ -577,18 +576,18 @@ class Adapters:
     async def _switch(self, adapter: Adapter, version: str) -> None:
         """New requests get `version` from now on; the previous version goes once it is idle."""
         previous, adapter.current = adapter.current, version
-        await self._save(adapter)
+        switched = await self._save(adapter)
         log.warning("adapter %s: version %s serves (was %s)", adapter.name, version, previous or "none")
         if previous and previous != version:
-            self._retire(adapter, engine_name(adapter.name, previous))
+            self._retire(adapter, engine_name(adapter.name, previous), switched)
 
-    def _retire(self, adapter: Adapter, engine: str) -> None:
-        self._spawn(self._unload_when_idle(adapter, engine))
+    def _retire(self, adapter: Adapter, engine: str, version: int) -> None:
+        """Unload `engine` once idle; `version`: the registry's version that stopped routing to it."""
+        self._spawn(self._unload_when_idle(adapter, engine, version))
 
-    async def _unload_when_idle(self, adapter: Adapter, engine: str) -> None:
+    async def _unload_when_idle(self, adapter: Adapter, engine: str, version: int) -> None:
         deadline = time.monotonic() + RETIRE_WAIT_S
-        if self.store.shared:  # other gateways see the switch (or the removal) within a sync
-            await asyncio.sleep(2 * self.lora.sync_s)
+        await self._others_saw(version)  # other gateways send it no new request
         while self._inflight.get(engine, 0) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         async with self.store.lock(f"adapter:{adapter.name}"):

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from test_adapter_slots import RecordedEngineCalls, registry
-from yieldgate.serving.adapter_store import Placement, RedisStore
+from yieldgate.serving.adapter_store import AdapterVersion, Placement, RedisStore
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.config import FleetConfig, LoraConfig
 from yieldgate.serving.fleet import Fleet
@@ -80,6 +80,31 @@ def test_a_gateway_alone_unloads_without_waiting_for_a_sync(redis_url):
         try:
             await asyncio.wait_for(adapters._evict_one(fleet.replicas["a"], keep=set()), 10)
             assert calls.unloaded == [(fleet.replicas["a"].url, "x@v1")]
+        finally:
+            await adapters.close()
+            await _clean(redis_url, prefix)
+
+    asyncio.run(run())
+
+
+def test_a_gateway_alone_unloads_a_retired_version_without_waiting_for_a_sync(redis_url):
+    """A version switch retires the previous version: with no other gateway to tell, it is unloaded
+    once idle, not two syncs (a minute here) later."""
+    async def run() -> None:
+        prefix = f"yg:test:{uuid.uuid4().hex}:"
+        adapters, calls, fleet = registry()
+        fleet.config.lora = adapters.lora = LoraConfig(max_loras=2, sync_s=30.0)
+        x = adapters.adapters["x"]
+        x.versions.append(AdapterVersion("v2", "/adapters/x-v2", 0.0))
+        x.placements["x@v2"] = {"a": Placement("resident"), "b": Placement("resident")}
+        await adapters.start(await _shared(adapters, await _store(redis_url, prefix)))
+        try:
+            await adapters._switch(x, "v2")
+            for _ in range(200):
+                if len(calls.unloaded) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(engine for _, engine in calls.unloaded) == ["x@v1", "x@v1"]
         finally:
             await adapters.close()
             await _clean(redis_url, prefix)
