@@ -119,7 +119,7 @@ def test_an_unload_waits_until_the_other_gateway_has_read_the_mark(redis_url, ot
     up for at most two syncs."""
     async def run() -> None:
         prefix = f"yg:test:{uuid.uuid4().hex}:"
-        lora = LoraConfig(max_loras=2, sync_s=0.3)
+        lora = LoraConfig(max_loras=2, sync_s=1.0)  # the bound (2 s) leaves a loaded machine a second to sync
         one, calls, fleet = registry()
         fleet.config.lora = one.lora = lora
         two_fleet = Fleet(FleetConfig(model="demo", lora=lora, replicas=fleet.config.replicas))
