@@ -38,7 +38,8 @@ seeded per round) through it at closed-loop concurrency 4: `--warmup` requests, 
 measured. Loads and unloads are counted from the engines' own logs (vLLM logs each one) during
 the measured requests; cached tokens from each response's usage. Every adapter is removed before
 the gateway stops. Policies take turns, in reverse order every other round. The same requests go
-through the simulator's demo regime (the twin), next to the committed simulated figures.
+through the simulator's demo regime (the twin; its warm-up a phase of its own, left out of its
+figures as of the real ones), next to the committed simulated figures.
 """
 
 from __future__ import annotations
@@ -388,13 +389,21 @@ def pool_rounds(rows: list[dict], policies: list[str]) -> list[dict]:
 
 
 def sim_twin(policies: list[str], setup: RealSetup, tokenizer: Any) -> list[dict]:
-    """The same requests (seed per round, warm-up included) in the simulator's demo regime."""
+    """The same requests (seed per round) in the simulator's demo regime: the warm-up as a phase
+    of its own, left out of the figures as the real run leaves it out."""
     regime = demo_regime(setup.warmup + setup.requests)
     prompts = PromptBuilder(tokenizer)
+
+    def config(policy: str, seed: int) -> SimConfig:
+        cfg = regime.config(policy, setup.concurrency, seed)
+        if setup.warmup:
+            cfg.phases, cfg.warmup_phases = [setup.warmup, setup.requests], 1
+        return cfg
+
     out = []
     for policy in policies:
-        rs = [run_simulation(regime.workload(setup.seed + k), regime.config(policy, setup.concurrency, setup.seed + k),
-                             prompts=prompts) for k in range(setup.rounds)]
+        rs = [run_simulation(regime.workload(setup.seed + k), config(policy, setup.seed + k), prompts=prompts)
+              for k in range(setup.rounds)]
         out.append({"policy": policy, "seeds": len(rs),
                     **{m: statistics.mean(getattr(r, m) for r in rs) for m in METRICS}})
     return out

@@ -70,6 +70,9 @@ class SimConfig(msgspec.Struct, kw_only=True):
     # Every phase after the first starts with empty engine caches (and oracle), as when the real
     # benchmark resets each engine's prefix cache between phases (/reset_prefix_cache).
     cold_phases: bool = False
+    # The first `warmup_phases` of `phases` warm the fleet up and are left out of the results
+    # (requests, cached tokens, loads, per-replica counts), as a load test's warm-up phase is.
+    warmup_phases: int = 0
     seed: int = 0
     cache_salt: str = ""  # loadtest CacheSalt.value in "prefix" mode: same prompts as a salted run
     session_ids: bool = False  # send the session id (x-session-id); the load tester does not
@@ -451,6 +454,8 @@ class FleetSimulator:
         self._limits = list(itertools.accumulate(sizes))
         self._phase = -1
         self._holders = 0
+        self._counted_from = 0
+        self._before: dict[str, tuple[int, float, int, int, int]] = {}
         self._next_phase()
         while self._events:
             at, _, fn, args = heapq.heappop(self._events)
@@ -465,6 +470,9 @@ class FleetSimulator:
         self._phase += 1
         if self._phase >= len(self._limits):
             return
+        if self._phase == self.config.warmup_phases:  # what the results count starts here
+            self._counted_from = len(self.done)
+            self._before = {r.name: (r.served, r.busy_s, r.cache.evicted, r.loads, r.unloads) for r in self.replicas}
         if self._phase > 0 and self.config.cold_phases:
             for replica in self.replicas:
                 replica.cache.clear()
@@ -576,7 +584,12 @@ class FleetSimulator:
     # -- results -----------------------------------------------------------------------------------
     def _result(self) -> PolicyResult:
         bs = self.config.block_size
-        done = self.done
+        done = self.done[self._counted_from:]
+        zero = (0, 0.0, 0, 0, 0)
+
+        def since(r: SimReplica, k: int) -> Any:  # a replica's counter since the warm-up ended
+            return (r.served, r.busy_s, r.cache.evicted, r.loads, r.unloads)[k] - self._before.get(r.name, zero)[k]
+
         prompt = sum(r.n_prompt for r in done)
         cached = sum(r.cached_blocks * bs for r in done)
         oracle = sum(r.oracle_blocks * bs for r in done)
@@ -585,9 +598,9 @@ class FleetSimulator:
         t0 = min((r.arrival for r in done), default=0.0)
         t1 = max((r.finish for r in done), default=0.0)
         duration = max(t1 - t0, 1e-9)
-        served = {r.name: r.served for r in self.replicas}
+        served = {r.name: since(r, 0) for r in self.replicas}
         mean = sum(served.values()) / len(served) if served else 0.0
-        busy = [r.busy_s for r in self.replicas]
+        busy = [since(r, 1) for r in self.replicas]
         busy_mean = sum(busy) / len(busy) if busy else 0.0
         return PolicyResult(
             policy=self.config.policy, requests=len(done), prompt_tokens=prompt, cached_tokens=cached,
@@ -600,10 +613,10 @@ class FleetSimulator:
             requests_per_replica=served, load_max_over_mean=max(served.values()) / mean if mean else 1.0,
             busy_max_over_mean=max(busy) / busy_mean if busy_mean else 1.0,
             predicted_cached_tokens=sum(r.predicted for r in done),
-            evicted_blocks=sum(r.cache.evicted for r in self.replicas),
+            evicted_blocks=sum(since(r, 2) for r in self.replicas),
             adapter_requests=sum(r.adapter is not None for r in done),
-            loads_per_1k=1000.0 * sum(r.loads for r in self.replicas) / len(done) if done else 0.0,
-            unloads_per_1k=1000.0 * sum(r.unloads for r in self.replicas) / len(done) if done else 0.0,
+            loads_per_1k=1000.0 * sum(since(r, 3) for r in self.replicas) / len(done) if done else 0.0,
+            unloads_per_1k=1000.0 * sum(since(r, 4) for r in self.replicas) / len(done) if done else 0.0,
         )
 
 

@@ -209,3 +209,22 @@ def test_simulate_cli_compares_adapter_policies_with_loads_per_1000_requests():
                               "--policies", "adapter_aware", "--adapter-replicas", "1"])
     assert one.exit_code == 0, one.output
     assert json.loads(one.stdout)[0]["loads_per_1k"] < results["adapter_aware"]["loads_per_1k"]
+
+
+def test_a_warm_up_phase_is_left_out_of_the_results(prompts):
+    """As the real benchmark leaves its warm-up requests out (benchmarks/adapter_routing.py's twin):
+    requests, per-replica counts and loads count from the first measured phase on."""
+    workload = AdapterWorkload(seed=3, adapters=12, tenants=4, prefix_tokens=300, users_per_tenant=4,
+                               suffix_tokens=32, output_tokens=16, words_per_token=0.42)
+
+    def run(warmup_phases: int):
+        cfg = SimConfig(policy="adapter_aware", replicas=2, requests=116, phases=[16, 100], arrival="concurrency",
+                        concurrency=4, warmup_phases=warmup_phases,
+                        engine=EngineModel(kv_capacity_blocks=512, max_loras=2, lora_load_s=0.1))
+        return run_simulation(workload, cfg, prompts=prompts)
+
+    whole, measured = run(0), run(1)
+    assert whole.requests == 116 and measured.requests == sum(measured.requests_per_replica.values()) == 100
+    loads = lambda r: round(r.loads_per_1k * r.requests / 1000)  # noqa: E731
+    assert 0 < loads(measured) < loads(whole)  # the cold start's first loads are the warm-up's
+    assert measured.cached_ratio > whole.cached_ratio
