@@ -188,7 +188,7 @@ def test_a_version_read_during_a_local_change_is_not_said_to_be_seen(redis_url):
 def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_again():
     """A request for an adapter held nowhere waits for its load, then routes among the holders.
     If another request's load unloaded it meanwhile (this one was not counted on the replica
-    yet), it loads it again instead of answering 503 (seen once in 400 requests on two engines)."""
+    yet), it loads it again instead of answering 503."""
     from test_adapter_slots import on_demand
 
     from yieldgate.gateway.app import Gateway
