@@ -173,10 +173,10 @@ class ShareFilter:
         if not within or len(within) == len(candidates):
             return list(candidates)
         spread = max(ctx.matches.get(c.name, 0) for c in within)
-        affinity = ctx.request.adapter_affinity or {}
-        held = max((affinity.get(c.name, 0.0) for c in within), default=0.0)
+        affinity = ctx.request.adapter_affinity  # a LoRA adapter request's
+        held = max(affinity.get(c.name, 0.0) for c in within) if affinity else 0.0
         return [c for c in candidates if c in within or self._saves_enough(ctx.matches.get(c.name, 0), spread)
-                or affinity.get(c.name, 0.0) > held]
+                or (affinity and affinity.get(c.name, 0.0) > held)]
 
     def _saves_enough(self, cached: int, spread: int) -> bool:
         """A replica past its share, holding `cached` blocks, stays a candidate (`spread`: the most

@@ -16,7 +16,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -109,6 +109,19 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     adapter_requests: int = 0  # requests for a LoRA adapter
     loads_per_1k: float = 0.0  # adapter loads per 1,000 requests (0 without adapters)
     unloads_per_1k: float = 0.0  # adapters unloaded to free a slot, per 1,000 requests
+
+
+class ReplicaCounters(NamedTuple):
+    """What a replica has counted so far; `minus` an earlier snapshot gives what came since."""
+
+    served: int
+    busy_s: float
+    evicted: int
+    loads: int
+    unloads: int
+
+    def minus(self, before: ReplicaCounters | None) -> ReplicaCounters:
+        return self if before is None else ReplicaCounters(*(a - b for a, b in zip(self, before)))
 
 
 class SimRequest:
@@ -299,6 +312,9 @@ class SimReplica:
         self._loaded_at[adapter] = self._loader_free_at
         return self._loader_free_at
 
+    def counters(self) -> ReplicaCounters:
+        return ReplicaCounters(self.served, self.busy_s, self.cache.evicted, self.loads, self.unloads)
+
     def preload(self, adapter: str) -> None:
         """Load `adapter` into a free slot with no request waiting for it (the gateway's spread)."""
         self._adapter_ready(adapter)
@@ -455,7 +471,7 @@ class FleetSimulator:
         self._phase = -1
         self._holders = 0
         self._counted_from = 0
-        self._before: dict[str, tuple[int, float, int, int, int]] = {}
+        self._before: dict[str, ReplicaCounters] = {}
         self._next_phase()
         while self._events:
             at, _, fn, args = heapq.heappop(self._events)
@@ -472,7 +488,7 @@ class FleetSimulator:
             return
         if self._phase == self.config.warmup_phases:  # what the results count starts here
             self._counted_from = len(self.done)
-            self._before = {r.name: (r.served, r.busy_s, r.cache.evicted, r.loads, r.unloads) for r in self.replicas}
+            self._before = {r.name: r.counters() for r in self.replicas}
         if self._phase > 0 and self.config.cold_phases:
             for replica in self.replicas:
                 replica.cache.clear()
@@ -585,11 +601,7 @@ class FleetSimulator:
     def _result(self) -> PolicyResult:
         bs = self.config.block_size
         done = self.done[self._counted_from:]
-        zero = (0, 0.0, 0, 0, 0)
-
-        def since(r: SimReplica, k: int) -> Any:  # a replica's counter since the warm-up ended
-            return (r.served, r.busy_s, r.cache.evicted, r.loads, r.unloads)[k] - self._before.get(r.name, zero)[k]
-
+        counted = [r.counters().minus(self._before.get(r.name)) for r in self.replicas]  # since the warm-up
         prompt = sum(r.n_prompt for r in done)
         cached = sum(r.cached_blocks * bs for r in done)
         oracle = sum(r.oracle_blocks * bs for r in done)
@@ -598,9 +610,9 @@ class FleetSimulator:
         t0 = min((r.arrival for r in done), default=0.0)
         t1 = max((r.finish for r in done), default=0.0)
         duration = max(t1 - t0, 1e-9)
-        served = {r.name: since(r, 0) for r in self.replicas}
+        served = {r.name: c.served for r, c in zip(self.replicas, counted)}
         mean = sum(served.values()) / len(served) if served else 0.0
-        busy = [since(r, 1) for r in self.replicas]
+        busy = [c.busy_s for c in counted]
         busy_mean = sum(busy) / len(busy) if busy else 0.0
         return PolicyResult(
             policy=self.config.policy, requests=len(done), prompt_tokens=prompt, cached_tokens=cached,
@@ -613,10 +625,10 @@ class FleetSimulator:
             requests_per_replica=served, load_max_over_mean=max(served.values()) / mean if mean else 1.0,
             busy_max_over_mean=max(busy) / busy_mean if busy_mean else 1.0,
             predicted_cached_tokens=sum(r.predicted for r in done),
-            evicted_blocks=sum(since(r, 2) for r in self.replicas),
+            evicted_blocks=sum(c.evicted for c in counted),
             adapter_requests=sum(r.adapter is not None for r in done),
-            loads_per_1k=1000.0 * sum(since(r, 3) for r in self.replicas) / len(done) if done else 0.0,
-            unloads_per_1k=1000.0 * sum(since(r, 4) for r in self.replicas) / len(done) if done else 0.0,
+            loads_per_1k=1000.0 * sum(c.loads for c in counted) / len(done) if done else 0.0,
+            unloads_per_1k=1000.0 * sum(c.unloads for c in counted) / len(done) if done else 0.0,
         )
 
 

@@ -251,13 +251,13 @@ class Proxy:
         candidates = await self.routing.candidates(ctx, failed, self._failover, holds)
         routable = [r for r in self.fleet.candidates(ctx.tier) if r.name not in failed] \
             or [r for r in self.fleet.fallback(ctx.tier)[1] if r.name not in failed]
-        others = [r for r in routable if r not in candidates and r.tier == ctx.tier]
-        if (candidates or others) and self.routing.scores_adapters(ctx.tier) and self.adapters.may_spread(route):
+        if self.routing.scores_adapters(ctx.tier) and self.adapters.may_spread(route):
             # The policy weighs the adapter's affinity against cache and load (a replica that
             # still caches the adapter's prefix from an earlier residency, a free slot): replicas
             # that would have to load it are candidates too (the pick loads it there, see `_open`).
-            candidates += others
-            ctx.route.adapter_affinity = {r.name: self.adapters.affinity(route, r) for r in candidates}
+            candidates += [r for r in routable if r not in candidates and r.tier == ctx.tier]
+            if candidates:
+                ctx.route.adapter_affinity = {r.name: self.adapters.affinity(route, r) for r in candidates}
         elif candidates:
             self.adapters.spread(route, routable)
         if candidates or not routable:

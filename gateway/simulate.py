@@ -55,7 +55,8 @@ def simulate_command(
                        (AgentSessionWorkload(seed=seed, output_tokens=64, words_per_token=0.42), agent_share)],
                       seed=seed)
     cfg = SimConfig(replicas=replicas, requests=requests, rate=rate, seed=seed, session_ids=True,
-                    adapter_replicas=adapter_replicas, engine=EngineModel(kv_capacity_blocks=kv_blocks, max_loras=max_loras,
+                    adapter_replicas=adapter_replicas,
+                    engine=EngineModel(kv_capacity_blocks=kv_blocks, max_loras=max_loras,
                                        lora_load_s=lora_load_s, lora_unload_s=lora_unload_s))
     names = [p.strip() for p in (policies or (ADAPTER_POLICIES if adapters else POLICIES)).split(",") if p.strip()]
     try:
