@@ -119,7 +119,9 @@ def test_an_unload_waits_until_the_other_gateway_has_read_the_mark(redis_url, ot
     up for at most two syncs."""
     async def run() -> None:
         prefix = f"yg:test:{uuid.uuid4().hex}:"
-        lora = LoraConfig(max_loras=2, sync_s=1.0)  # the bound (2 s) leaves a loaded machine a second to sync
+        # A syncing gateway two has the whole bound (6 s) to read the mark on a loaded machine; a
+        # silent one is waited for the bound alone (2 s).
+        lora = LoraConfig(max_loras=2, sync_s=3.0 if other_syncs else 1.0)
         one, calls, fleet = registry()
         fleet.config.lora = one.lora = lora
         two_fleet = Fleet(FleetConfig(model="demo", lora=lora, replicas=fleet.config.replicas))

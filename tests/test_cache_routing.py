@@ -6,6 +6,7 @@ import asyncio
 import gc
 import hashlib
 import pickle
+import uuid
 
 import msgspec
 import pytest
@@ -346,7 +347,7 @@ async def _eventually(predicate, timeout: float = 5.0) -> None:
 async def test_two_gateways_sharing_redis_agree(redis_url: str) -> None:
     # Separate connections, as two gateway processes would have.
     clients = [aioredis.Redis.from_url(redis_url) for _ in range(3)]
-    prefix = "yg-test-cache"
+    prefix = f"yg-test-cache-{uuid.uuid4().hex[:8]}"  # own keys: a killed run's leftovers do not count
     try:
         await _shared_index_scenario(clients, prefix)
     finally:
@@ -394,7 +395,8 @@ async def test_a_write_batch_leaves_redis_as_op_by_op_writes_do(redis_url: str) 
     """Records of one replica are merged into one ZADD per batch; removes and clears in between
     must still apply to exactly the blocks added before them."""
     client = aioredis.Redis.from_url(redis_url)
-    prefixes = ("yg-test-batch-a", "yg-test-batch-b")
+    run = uuid.uuid4().hex[:8]
+    prefixes = (f"yg-test-batch-a-{run}", f"yg-test-batch-b-{run}")
     try:
         states = []
         for prefix, one_by_one in zip(prefixes, (False, True)):
@@ -443,7 +445,9 @@ async def test_kv_subscriber_applies_events_and_resyncs_after_restart() -> None:
             if index.holds("e", 1):
                 break
         assert index.holds("e", 1)
-        seq = sub.last_seq
+        # The hold may come from an earlier message that arrived late: the last one sent is still
+        # on its way, and numbering on from an older one would look like an engine restart.
+        await _eventually(lambda: sub.last_seq == seq)
         await send(seq + 1, BlockStored(block_hashes=[2, 3, 4], parent_block_hash=1, medium="GPU"),
                    BlockStored(block_hashes=[99], medium="CPU"))
         await _eventually(lambda: index.match([1, 2, 3, 4]) == {"e": 4})

@@ -14,11 +14,11 @@ def hold_the_loop(seconds: float) -> None:
 
 
 async def _run(caplog) -> LoopWatch:
-    watch = LoopWatch(asyncio.get_running_loop(), stalled_s=0.3, interval_s=0.05)
+    watch = LoopWatch(asyncio.get_running_loop(), stalled_s=1.0, interval_s=0.05)
     watch.start()
     await asyncio.sleep(0.2)  # a loop that turns is not reported
     assert watch.longest_s == 0.0
-    hold_the_loop(0.8)
+    hold_the_loop(2.0)
     await asyncio.sleep(0.3)
     watch.stop()
     return watch
@@ -27,6 +27,7 @@ async def _run(caplog) -> LoopWatch:
 def test_a_held_loop_is_logged_with_what_held_it(caplog):
     with caplog.at_level(logging.WARNING, logger="yieldgate.stall"):
         watch = asyncio.run(_run(caplog))
-    assert 0.5 <= watch.longest_s
+    assert 1.5 <= watch.longest_s
+    # Held 2 s against a 1 s threshold: a loaded machine's own stalls stay under it.
     (record,) = [r for r in caplog.records if r.name == "yieldgate.stall"]
     assert "event loop held for" in record.getMessage() and "hold_the_loop" in record.getMessage()

@@ -160,11 +160,11 @@ async def test_soft_budget_flags_but_never_rejects(env):
 async def test_unsettled_reservation_expires(env):
     prefix, a, _ = env
     key = (await KeyStore(a, pepper="p", prefix=prefix).create("t", budget_usd="0.001")).key
-    gw = BudgetEnforcer(a, prefix=prefix, reservation_ttl_s=1)
+    gw = BudgetEnforcer(a, prefix=prefix, reservation_ttl_s=3)  # outlives a loaded machine's stall
     await gw.reserve(key, Decimal("0.001"))  # the gateway "dies" and never settles
     with pytest.raises(InsufficientQuota):
         await gw.reserve(key, Decimal("0.0001"))
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(3.2)
     res = await gw.reserve(key, Decimal("0.0001"))
     await gw.settle(key, res, Decimal("0.00005"))
     await gw.settle(key, res, Decimal("0.00005"))  # double settle is ignored
