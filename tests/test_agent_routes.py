@@ -254,7 +254,9 @@ def test_messages_unary_cost_is_the_ledger_cost(stack, claude):
              u.cache_read_input_tokens, u.output_tokens)
         assert money(u.model_extra["cost"]["total"]) == Decimal(row["cost_total"]) == \
             Decimal(raw.headers["x-yieldgate-cost-usd"])
-        assert u.service_tier == "standard" and msg.content[0].type == "text"
+        # vLLM's Messages route has no ignore_eos: the random demo model may end before any text.
+        assert u.service_tier == "standard" and [b.type for b in msg.content] in (["text"], [])
+        assert msg.content or msg.stop_reason == "end_turn"
     assert u.cache_read_input_tokens > 0
 
 
@@ -266,7 +268,9 @@ def test_messages_stream_bills_once_from_message_delta(stack, claude):
         final = stream.get_final_message()
     start = next(e for e in events if e.type == "message_start")
     delta = next(e for e in events if e.type == "message_delta")
-    assert events[-1].type == "message_stop" and final.usage.output_tokens == 6
+    assert events[-1].type == "message_stop" and final.usage.output_tokens == delta.usage.output_tokens
+    # All 6 tokens unless the model sampled its end of sequence (vLLM's Messages route has no ignore_eos).
+    assert final.usage.output_tokens == 6 or final.stop_reason == "end_turn"
     assert start.message.usage.input_tokens > 0
     row = only_row(stack, request_id)
     assert (row["status"], row["tier"], row["replica"]) == ("ok", "fast", "fast-0")

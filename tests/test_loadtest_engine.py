@@ -104,13 +104,15 @@ def test_shared_prefix_closed_loop_with_slo_prices_engine_metrics(target, engine
 def test_agent_sessions_carry_history_poisson(target):
     wl = AgentSessionWorkload(system_tokens=32, first_user_tokens=16, tool_output_tokens=16, followup_tokens=8,
                               turns_min=3, turns_max=3, output_tokens=8, think_time_s=0.02, **TINY)
-    r = run_load(target, wl, PoissonLoad(rate=20, burstiness=0.5), Bounds(requests=6),
+    r = run_load(target, wl, PoissonLoad(rate=2, burstiness=0.5), Bounds(requests=6),
                  cache_salt=CacheSalt.random())
     _ok(r, 6)
     by_session = {}
     for rec in r.records:
         by_session.setdefault(rec.session, []).append(rec)
     # The checks below look at follow-up turns: some session must have reached one within the bound.
+    # At 2 sessions/s new sessions take the 6 slots over seconds, so a first turn that is slow to
+    # prefill on a loaded machine still leaves a slot for its follow-up.
     assert any(len(turns) >= 2 for turns in by_session.values()), {k: len(v) for k, v in by_session.items()}
     for turns in by_session.values():
         turns.sort(key=lambda x: x.turn)
