@@ -48,6 +48,8 @@ class RouterConfig(msgspec.Struct, frozen=True):
     share_keep_blocks: int = 16
     share_keep_tail_blocks: int = 2
     share_spread_fraction: float = 0.3
+    share_seed_fraction: float = 0.85
+    share_seed_slack: float = 8.0
     share_slack: float = 4.0
     pending_weight: float = 0.25
     share_weight: float = 4.0
@@ -129,7 +131,8 @@ def build_parts(spec: PipelineSpec, config: RouterConfig) -> BuiltParts:
 
 register_filter("hotspot", lambda c: HotspotFilter(c.spill_factor, c.spill_slack))
 register_filter("share", lambda c: ShareFilter(c.share_factor, c.share_keep_blocks, c.share_slack,
-                                                c.share_keep_tail_blocks, c.share_spread_fraction))
+                                                c.share_keep_tail_blocks, c.share_spread_fraction,
+                                                c.share_seed_fraction, c.share_seed_slack))
 register_filter("speculation", lambda c: SpeculationFilter(c.speculate_max_temperature, c.default_temperature))
 register_scorer("kv_cost", lambda c: KVCostScorer(c.overlap_weight, c.queued_request_blocks, c.pending_weight,
                                                   c.share_weight), needs="tokens")

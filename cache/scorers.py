@@ -150,6 +150,15 @@ class ShareFilter:
     request's own context (a session's last turns, a user's lines), and ``keep_tail_blocks``
     of it keep the request home: moving it recomputes that context and spreads nothing shared.
 
+    A replica that has taken more than ``seed_fraction`` of all recent picks (and ``seed_slack``
+    picks over the mean) keeps nothing by its savings while no replica within its share holds any
+    of the request's prefix: a few long agent sessions that share one system prompt would
+    otherwise all stay on the replica that cached it first while the others idle, since each one's
+    context outweighs ``keep_blocks``. The one request moved gives the head a second home; from
+    then on the tail rule keeps each session's own context where it is and sends new sessions to
+    the replica within its share. A replica on a fleet of more than a few never takes that
+    fraction of all picks.
+
     For a LoRA adapter request, a replica that holds the adapter where none within its share
     does stays too: moving it would load the adapter and unload another one that its own
     requests then load back, which the share of picks does not weigh (whether spreading an
@@ -157,12 +166,15 @@ class ShareFilter:
     """
 
     def __init__(self, factor: float = 1.15, keep_blocks: int = 16, slack: float = 4.0,
-                 keep_tail_blocks: int = 2, spread_fraction: float = 0.3) -> None:
+                 keep_tail_blocks: int = 2, spread_fraction: float = 0.3, seed_fraction: float = 0.85,
+                 seed_slack: float = 8.0) -> None:
         self.factor = factor
         self.keep_blocks = keep_blocks
         self.slack = slack  # picks: a young or small fleet is not "over its share" after one pick
         self.keep_tail_blocks = keep_tail_blocks
         self.spread_fraction = spread_fraction
+        self.seed_fraction = seed_fraction  # 0: off
+        self.seed_slack = seed_slack
 
     def filter(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> list[Candidate]:
         if self.factor <= 0 or len(candidates) < 2 or not ctx.recent:
@@ -173,9 +185,13 @@ class ShareFilter:
         if not within or len(within) == len(candidates):
             return list(candidates)
         spread = max(ctx.matches.get(c.name, 0) for c in within)
+        # Past this many picks, savings keep nothing home while the head is nowhere else.
+        seeding = max(self.seed_fraction * mean * len(candidates), mean + self.seed_slack) \
+            if self.seed_fraction > 0 and spread == 0 else float("inf")
         affinity = ctx.request.adapter_affinity  # a LoRA adapter request's
         held = max(affinity.get(c.name, 0.0) for c in within) if affinity else 0.0
-        return [c for c in candidates if c in within or self._saves_enough(ctx.matches.get(c.name, 0), spread)
+        return [c for c in candidates if c in within
+                or (ctx.recent.get(c.name, 0.0) <= seeding and self._saves_enough(ctx.matches.get(c.name, 0), spread))
                 or (affinity and affinity.get(c.name, 0.0) > held)]
 
     def _saves_enough(self, cached: int, spread: int) -> bool:

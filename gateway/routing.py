@@ -74,7 +74,9 @@ class Routing:
                               share_factor=tier.share_factor, share_slack=tier.share_slack,
                               share_keep_blocks=tier.share_keep_blocks,
                               share_keep_tail_blocks=tier.share_keep_tail_blocks,
-                              share_spread_fraction=tier.share_spread_fraction, pending_weight=tier.pending_weight,
+                              share_spread_fraction=tier.share_spread_fraction,
+                              share_seed_fraction=tier.share_seed_fraction, share_seed_slack=tier.share_seed_slack,
+                              pending_weight=tier.pending_weight,
                               share_weight=tier.share_weight,
                               speculate_max_temperature=tier.speculate_max_temperature,
                               default_temperature=tier.default_temperature)

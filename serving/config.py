@@ -206,11 +206,15 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # they save >= share_keep_blocks blocks of prefill (long cached contexts stay home), or
     # share_keep_tail_blocks once a replica within its share holds >= share_spread_fraction of
     # their cached prefix (the shared head has spread; the rest is the request's own context).
+    # A replica with more than share_seed_fraction of all recent picks (and share_seed_slack over
+    # the mean) keeps nothing by its savings while the request's prefix is on no other replica.
     share_factor: float = 1.15
     share_slack: float = 4.0
     share_keep_blocks: int = 16
     share_keep_tail_blocks: int = 2
     share_spread_fraction: float = 0.3
+    share_seed_fraction: float = 0.85
+    share_seed_slack: float = 8.0
     # Prefill routed to a replica whose first token is not back yet counts this much per block.
     pending_weight: float = 0.25
     # Blocks added to a replica's cost per unit of its recent-pick share above the mean.
