@@ -191,11 +191,12 @@ def test_hot_prefix_spreads_instead_of_piling_up() -> None:
     assert loads[-1] <= 1.5 * (60 / 3) + 2 + 1
 
 
-def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], sessions: int) -> dict[str, int]:
+def _shared_system_prompt_sessions(router: Router, fleet: list[Replica], sessions: int,
+                                   system_blocks: int = 8) -> dict[str, int]:
     """Agent sessions on an idle fleet (nothing in flight): every session starts with the same
-    8-block system prompt, then 3 turns whose context (24+ blocks) is the session's own."""
+    system prompt (8 blocks), then 3 turns whose context (24+ blocks) is the session's own."""
     counts = {r.name: 0 for r in fleet}
-    system = tokens(1, 8)[: 8 * 32]
+    system = tokens(1, system_blocks)[: system_blocks * 32]
     for s in range(sessions):
         context = system + tokens(100 + s, 4)[: 4 * 32]
         for turn in range(3):
@@ -234,6 +235,33 @@ def test_one_common_header_block_does_not_outweigh_a_replicas_excess_share() -> 
     assert KVCostScorer().score(deep, fleet)["a"] > KVCostScorer().score(deep, fleet)["b"]
 
 
+def test_a_system_prompt_longer_than_the_keep_bar_gets_a_second_home() -> None:
+    """37 shared blocks (an agent's system prompt and tools) outweigh `share_keep_blocks`: without
+    the seed rule every session stays on the replica that cached the head first."""
+    from yieldgate.cache.routing import RouterConfig
+
+    fleet = [Replica("a"), Replica("b")]
+    seeded = _shared_system_prompt_sessions(Router("cache_aware", PrefixIndex()), fleet, 16, system_blocks=37)
+    unseeded = _shared_system_prompt_sessions(
+        Router("cache_aware", PrefixIndex(), config=RouterConfig(share_seed_fraction=0)), fleet, 16,
+        system_blocks=37)
+    assert sorted(unseeded.values()) == [0, 48]
+    assert max(seeded.values()) <= 1.25 * 48 / 2, seeded
+
+
+@pytest.mark.parametrize(("recent", "matches", "kept"), [
+    ({"a": 40.0, "b": 0.0}, {"a": 30, "b": 0}, False),  # every pick, the head nowhere else: seeded
+    ({"a": 40.0, "b": 0.0}, {"a": 30, "b": 20}, True),  # the head is on "b" too: 10 blocks of its own
+    ({"a": 40.0, "b": 10.0}, {"a": 30, "b": 0}, True),  # 80% of the picks: its savings keep it
+    ({"a": 12.0, "b": 0.0}, {"a": 30, "b": 0}, True),   # a young router: under 8 picks over the mean
+])
+def test_share_guard_seeds_a_head_only_from_a_replica_taking_nearly_every_pick(recent, matches, kept) -> None:
+    ctx = RouteContext(request=RouteRequest(), block_hashes=list(range(40)), block_size=32, matches=matches,
+                       loads=dict.fromkeys(matches, 0.0), recent=recent)
+    names = [c.name for c in ShareFilter().filter(ctx, [Replica("a"), Replica("b")])]
+    assert names == (["a", "b"] if kept else ["b"])
+
+
 def test_share_guard_keeps_long_cached_contexts_home() -> None:
     router = Router("cache_aware", PrefixIndex())
     fleet = [Replica("a"), Replica("b")]
@@ -241,8 +269,11 @@ def test_share_guard_keeps_long_cached_contexts_home() -> None:
     home = router.pick(RouteRequest(token_ids=long_context), fleet)
     router.sent(home)
     router.first_token(home)
+    other = "b" if home.replica.name == "a" else "a"
     for i in range(30):  # the home replica is far past its share of picks...
         router.recent.add(home.replica.name, 2)
+    for i in range(8):  # ...though not taking nearly all of them (that would seed its head elsewhere)
+        router.recent.add(other, 2)
     # ...but 40 cached blocks (>= share_keep_blocks more than elsewhere) keep the turn there.
     d = router.pick(RouteRequest(token_ids=long_context + [9] * 40), fleet)
     assert d.replica.name == home.replica.name and d.predicted_cached_tokens == 40 * 32
