@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from .chatml import chatml_template
 from .paths import home_dir
 
 BOS = "<|begin_of_text|>"
@@ -31,57 +32,9 @@ PRETOKENIZE_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ChatML with Hermes-style tool calling (the Qwen2.5 / Hermes-2-Pro layout vLLM's `hermes` tool parser
-# reads): tools as JSON lines in <tools> inside the system turn, an assistant's calls as
-# <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> blocks in a user turn,
-# the developer role as a system turn. BOS comes from the template, so chat prompts are tokenized
+# ChatML with Hermes-style tool calling; BOS comes from the template, so chat prompts are tokenized
 # without add_special_tokens (what vLLM does for chat).
-_TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_FORMAT = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\n</tool_call>'
-)
-_TOOLS_BLOCK = (
-    "{{ '" + _TOOLS_PREAMBLE + "' }}"
-    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
-    "{{ '" + _TOOLS_FORMAT + "' }}"
-)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% if tools and not (messages and messages[0]['role'] in ['system', 'developer']) %}"
-    "{{ '<|im_start|>system\n' }}" + _TOOLS_BLOCK + "{{ '<|im_end|>\n' }}"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}"
-    "{% if loop.first or loop.previtem['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\n<tool_response>\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}"
-    "{{ '\n</tool_response>' }}"
-    "{% if loop.last or loop.nextitem['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
-    "{% else %}"
-    "{{ '<|im_start|>' + ('system' if message['role'] == 'developer' else message['role']) + '\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}"
-    "{% if loop.first and tools and message['role'] in ['system', 'developer'] %}{{ '\n\n' }}" + _TOOLS_BLOCK + "{% endif %}"
-    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
-    "{% for call in message['tool_calls'] %}"
-    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
-    "{{ '<tool_call>\n' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
-    "{{ '\n</tool_call>' }}"
-    "{% endfor %}"
-    "{% endif %}"
-    "{{ '<|im_end|>\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template(bos=True)
 
 
 class DemoModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
