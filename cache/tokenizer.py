@@ -31,6 +31,9 @@ Backend = Literal["tiktoken", "hf"]
 
 # The pre-tokenizer ByteLevel(use_regex=True) uses GPT-2's split pattern.
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Digits(individual_digits) before it (SmolLM2's tokenizer): every digit a piece of its own, and GPT-2's
+# split inside the pieces between them, so whitespace before a digit ends its piece as text's end does.
+_GPT2_SINGLE_DIGITS_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
 
 # Segments cached (oldest dropped first). Short ones too: tiktoken's call overhead alone (~3 µs for
@@ -61,10 +64,14 @@ def _split_pattern(pre: dict[str, Any] | None) -> str:
         raise NotConvertible("no pre-tokenizer")
     steps = pre["pretokenizers"] if pre.get("type") == "Sequence" else [pre]
     pattern: str | None = None
-    byte_level = False
+    byte_level = single_digits = False
     for step in steps:
         kind = step.get("type")
-        if kind == "Split":
+        if kind == "Digits" and step.get("individual_digits") and pattern is None and not byte_level:
+            single_digits = True
+        elif kind == "Split":
+            if single_digits:
+                raise NotConvertible("Digits before a Split")
             if pattern is not None or step.get("invert") or step.get("behavior") != "Isolated":
                 raise NotConvertible(f"unsupported Split {step}")
             pat = step.get("pattern", {})
@@ -78,7 +85,9 @@ def _split_pattern(pre: dict[str, Any] | None) -> str:
             if step.get("use_regex", True):
                 if pattern is not None:
                     raise NotConvertible("two split regexes")
-                pattern = _GPT2_PATTERN
+                pattern = _GPT2_SINGLE_DIGITS_PATTERN if single_digits else _GPT2_PATTERN
+            elif single_digits:
+                raise NotConvertible("Digits before a ByteLevel without its regex")
             byte_level = True
         else:
             raise NotConvertible(f"pre-tokenizer {kind}")
@@ -87,14 +96,19 @@ def _split_pattern(pre: dict[str, Any] | None) -> str:
     return pattern
 
 
-def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[tiktoken.Encoding, list[int] | None]:
-    """tokenizer.json (parsed) -> (Encoding, optional rank->id table).
+def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model"
+                            ) -> tuple[tiktoken.Encoding, list[int] | None, re.Pattern[str] | None]:
+    """tokenizer.json (parsed) -> (Encoding, optional rank->id table, text only HF encodes exactly).
 
     tiktoken merges the adjacent pair whose concatenation has the lowest rank and
     returns ranks as ids, while HF applies merges in list order and returns vocab
     ids. When merge order and id order agree (BPE trainers append merged tokens in
     order) ranks are the ids; otherwise ranks follow merge order and a table maps
     them back to ids.
+
+    A vocabulary may lack some single bytes (SmolLM2's lacks 21, control characters among them). HF
+    drops such a byte and merges across it; tiktoken cannot, so those bytes get placeholder ranks
+    and the third value matches the characters whose text must be encoded by HF instead.
     """
     if spec.get("normalizer") is not None:
         raise NotConvertible("normalizer present")
@@ -104,7 +118,7 @@ def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[
         raise NotConvertible("not a plain BPE model")
     pattern = _split_pattern(spec.get("pre_tokenizer"))
     added = spec.get("added_tokens") or []
-    token_bytes, merged_ids = _byte_vocab(model, {t["id"] for t in added})
+    token_bytes, merged_ids, missing = _byte_vocab(model, {t["id"] for t in added})
     specials: dict[str, int] = {}
     for tok in added:
         if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or \
@@ -112,13 +126,40 @@ def build_tiktoken_encoding(spec: dict[str, Any], name: str = "model") -> tuple[
             raise NotConvertible(f"added token {tok['content']!r} has matching flags tiktoken lacks")
         specials[tok["content"]] = tok["id"]
     ranks, special_ranks, rank_to_id = _ranks(token_bytes, merged_ids, specials)
+    hf_only = _chars_with_bytes(missing)
+    if missing:
+        top = max([*ranks.values(), *special_ranks.values()]) + 1
+        for k, b in enumerate(missing):
+            ranks[bytes([b])] = top + k
+        if rank_to_id is not None:  # never looked up: text holding these bytes goes to HF
+            rank_to_id.extend([-1] * (top + len(missing) - len(rank_to_id)))
     enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_ranks)
-    return enc, rank_to_id
+    return enc, rank_to_id, hf_only
 
 
-def _byte_vocab(model: dict[str, Any], added_ids: set[int]) -> tuple[dict[bytes, int], list[int]]:
-    """The BPE vocab as bytes -> id, and the id each merge produces, in merge order; refuses
-    what tiktoken would tokenize differently."""
+def _chars_with_bytes(missing: list[int]) -> re.Pattern[str] | None:
+    """A pattern of the characters whose UTF-8 holds one of `missing` (ASCII bytes and lead bytes;
+    0xC0, 0xC1 and 0xF5-0xFF never occur in UTF-8)."""
+    ranges: list[str] = []
+    for b in missing:
+        if b < 0x80:
+            ranges.append(re.escape(chr(b)))
+        elif 0xC2 <= b <= 0xDF:
+            ranges.append(f"\\u{(b & 0x1F) << 6:04x}-\\u{((b & 0x1F) << 6) | 0x3F:04x}")
+        elif 0xE0 <= b <= 0xEF:
+            lo = max((b & 0x0F) << 12, 0x800)
+            ranges.append(f"\\u{lo:04x}-\\u{lo | 0xFFF:04x}")
+        elif 0xF0 <= b <= 0xF4:
+            lo = max((b & 0x07) << 18, 0x10000)
+            ranges.append(f"\\U{lo:08x}-\\U{min(lo | 0x3FFFF, 0x10FFFF):08x}")
+        elif 0x80 <= b <= 0xBF:
+            raise NotConvertible(f"continuation byte {b:#x} missing from vocab")
+    return re.compile("[" + "".join(ranges) + "]") if ranges else None
+
+
+def _byte_vocab(model: dict[str, Any], added_ids: set[int]) -> tuple[dict[bytes, int], list[int], list[int]]:
+    """The BPE vocab as bytes -> id, the id each merge produces, in merge order, and the single
+    bytes the vocab lacks; refuses what tiktoken would tokenize differently."""
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
 
     def to_bytes(token: str) -> bytes:
@@ -129,8 +170,6 @@ def _byte_vocab(model: dict[str, Any], added_ids: set[int]) -> tuple[dict[bytes,
 
     token_bytes = {to_bytes(tok): i for tok, i in model["vocab"].items() if i not in added_ids}
     missing = [b for b in range(256) if bytes([b]) not in token_bytes]
-    if missing:
-        raise NotConvertible(f"{len(missing)} single bytes missing from vocab")
     merged_ids: list[int] = []
     for merge in model.get("merges") or []:
         left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
@@ -146,23 +185,24 @@ def _byte_vocab(model: dict[str, Any], added_ids: set[int]) -> tuple[dict[bytes,
         # tiktoken looks a whole pre-token up in the vocab first; HF without
         # ignore_merges does not, so a token no merge produces would diverge.
         raise NotConvertible(f"{len(unreachable)} multi-byte tokens no merge produces")
-    return token_bytes, merged_ids
+    return token_bytes, merged_ids, missing
 
 
 def _ranks(token_bytes: dict[bytes, int], merged_ids: list[int], specials: dict[str, int]
            ) -> tuple[dict[bytes, int], dict[str, int], list[int] | None]:
     """tiktoken ranks: the ids themselves when merge order and id order agree, else ranks in
     merge order with a rank -> id table."""
-    single_ids = sorted(token_bytes[bytes([b])] for b in range(256))
+    singles = [bytes([b]) for b in range(256) if bytes([b]) in token_bytes]
+    single_ids = sorted(token_bytes[b] for b in singles)
     monotone = all(a < b for a, b in zip(merged_ids, merged_ids[1:])) and \
         (not merged_ids or max(single_ids) < merged_ids[0])
     if monotone:
         return token_bytes, specials, None
-    ranks = {bytes([b]): r for r, b in enumerate(sorted(range(256), key=lambda b: token_bytes[bytes([b])]))}
+    ranks = {b: r for r, b in enumerate(sorted(singles, key=token_bytes.__getitem__))}
     id_to_bytes = {i: b for b, i in token_bytes.items()}
-    for r, i in enumerate(merged_ids, start=256):
+    for r, i in enumerate(merged_ids, start=len(singles)):
         ranks[id_to_bytes[i]] = r
-    next_rank = 256 + len(merged_ids)
+    next_rank = len(singles) + len(merged_ids)
     special_ranks = {}
     for content in specials:
         special_ranks[content] = next_rank
@@ -185,8 +225,9 @@ class Tokenizer:
 
     def __init__(self, hf: tokenizers.Tokenizer, chat_template: ChatTemplate | None,
                  encoding: tiktoken.Encoding | None = None, rank_to_id: list[int] | None = None,
-                 not_convertible_reason: str | None = None) -> None:
+                 not_convertible_reason: str | None = None, hf_only: re.Pattern[str] | None = None) -> None:
         self.hf = hf
+        self._hf_only = hf_only  # text holding these characters is encoded by HF (see build_tiktoken_encoding)
         self.chat_template = chat_template
         self.encoding = encoding
         self._rank_to_id = rank_to_id
@@ -227,19 +268,19 @@ class Tokenizer:
             chat_template: ChatTemplate | None = ChatTemplate.from_model_dir(model_dir)
         except ValueError:
             chat_template = None
-        encoding = rank_to_id = None
+        encoding = rank_to_id = hf_only = None
         reason = None
         if backend != "hf":
             try:
-                encoding, rank_to_id = build_tiktoken_encoding(json.loads(path.read_text()), model_dir.name)
+                encoding, rank_to_id, hf_only = build_tiktoken_encoding(json.loads(path.read_text()), model_dir.name)
             except NotConvertible as exc:
                 if backend == "tiktoken":
                     raise
                 reason = str(exc)
-        return cls(hf, chat_template, encoding, rank_to_id, reason)
+        return cls(hf, chat_template, encoding, rank_to_id, reason, hf_only)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.encoding is None:
+        if self.encoding is None or (self._special_split is None and self._needs_hf(text)):
             return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
         # HF splits added tokens out of any text, whatever add_special_tokens says.
         ids = self._encode_segments(text)
@@ -247,9 +288,12 @@ class Tokenizer:
             return self._prefix + ids + self._suffix
         return ids
 
+    def _needs_hf(self, text: str) -> bool:
+        return self._hf_only is not None and self._hf_only.search(text) is not None
+
     def count(self, text: str) -> int:
         """How many tokens `text` is on its own: generated text (no special tokens, nothing cached)."""
-        if self.encoding is None:
+        if self.encoding is None or self._needs_hf(text):
             return len(self.hf.encode(text, add_special_tokens=False).ids)
         return len(self.encoding.encode_ordinary(text))
 
@@ -282,7 +326,8 @@ class Tokenizer:
             if entry is None:
                 # A tuple, not a list: the collector stops tracking a tuple of ints after one pass,
                 # while a kept list of ids is walked again by every older-generation pass.
-                ids = tuple(self._ids(self.encoding.encode_ordinary(piece)))
+                ids = tuple(self.hf.encode(piece, add_special_tokens=False).ids if self._needs_hf(piece)
+                            else self._ids(self.encoding.encode_ordinary(piece)))
                 if len(cache) >= _CACHE_MAX_SEGMENTS:
                     drop_oldest(cache, _CACHE_MAX_SEGMENTS // 16)
                 entry = cache[piece] = (ids, pack_tokens(ids))
