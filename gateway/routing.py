@@ -8,6 +8,7 @@ The prompt is tokenized only when the tier's policy needs tokens.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,7 +44,8 @@ class Routing:
         self.index = await self._open_index()
         self.routers = {tier: self._router(fleet_cfg.tier(tier)) for tier in self.fleet.tiers()}
         # Loaded even when no policy needs tokens: a stream cut short is billed by it (gateway/relay.py).
-        self.tokenizer = self._load_tokenizer(fleet_cfg.model_path)
+        # In a thread: a 49k-token vocabulary takes a second or two to convert, and probes go on.
+        self.tokenizer = await asyncio.to_thread(self._load_tokenizer, fleet_cfg.model_path)
         for replica in self.fleet.replicas.values():
             if not replica.joining:
                 await self.joined(replica)

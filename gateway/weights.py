@@ -70,10 +70,8 @@ class WeightOrchestrator(orchestrator.WeightOrchestrator):
         fleet_config = gw.config.fleet
 
         def model_dir() -> str:
-            if fleet_config.model_path:
-                return fleet_config.model_path
-            from yieldgate.serving.demo_model import ensure_demo_model
-            return str(ensure_demo_model(spec=fleet_config.demo_model))
+            from yieldgate.serving.models import ensure_model
+            return str(ensure_model(fleet_config.model_path, fleet_config.demo_model))
 
         super().__init__(gw.fleet, root=home_dir() / "weights", model=fleet_config.model,
                          model_dir=model_dir, forget_cached=gw.routing.forget_cached)

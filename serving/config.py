@@ -7,6 +7,7 @@ import msgspec
 from yieldgate.cache.policies import PipelineSpec, RouterConfig, build_parts, preset
 
 from .demo_model import DemoModelSpec
+from .models import served_name
 from .paths import home_dir  # noqa: F401  (re-exported)
 
 TIERS = ("standard", "fast")
@@ -242,9 +243,13 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
-    model: str = "demo"           # the name clients send; engines serve it as --served-model-name
-    model_path: str = ""          # HF directory launched replicas load; "" = the generated demo model
-    demo_model: DemoModelSpec = DemoModelSpec()  # that generated model's shape (seed, sizes)
+    # The name clients send; engines serve it as --served-model-name. "" = the model's own name
+    # (serving/models.py: "smollm2", "tiny", or the directory's name).
+    model: str = ""
+    # What launched replicas load: "smollm2" (SmolLM2-135M-Instruct from the package index), "tiny"
+    # (the generated random-weight Llama) or a Hugging Face directory; "" = smollm2.
+    model_path: str = ""
+    demo_model: DemoModelSpec = DemoModelSpec()  # the tiny model's shape (seed, sizes)
     block_size: int = 32          # KV block size in tokens (a multiple of 32 on CPU)
     tiers: dict[str, TierConfig] = {}
     replicas: list[ReplicaConfig] = []
@@ -267,6 +272,7 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     lora: LoraConfig = LoraConfig()  # LoRA flags for every launched engine
 
     def __post_init__(self) -> None:
+        self.model = self.model or served_name(self.model_path)
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
         if not self.replicas and not discovered:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args, self.demo_tool_call_parser)

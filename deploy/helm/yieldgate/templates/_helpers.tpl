@@ -130,7 +130,7 @@ initContainers:
   - name: demo-model
     image: {{ printf "%s:%s" .Values.engine.image.repository .Values.engine.image.tag | quote }}
     imagePullPolicy: {{ .Values.engine.image.pullPolicy }}
-    command: ["yieldgate", "model", "make", "--out", {{ .Values.model.path | quote }}]
+    command: ["yieldgate", "model", "make", "tiny", "--out", {{ .Values.model.path | quote }}]
     env:
       - {name: HOME, value: /tmp}
       - {name: HF_HUB_OFFLINE, value: "1"}
