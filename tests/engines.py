@@ -14,7 +14,8 @@ import pytest
 
 
 def start_engine(model_dir: Path, port: int, log_path: Path, *args: str,
-                 plugin: bool = True) -> subprocess.Popen:
+                 plugin: bool = True, served_name: str = "demo", host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """`vllm serve` of the demo model on the CPU backend with the `yieldgate` weight-transfer plugin
     (`plugin=False`: with no weight-transfer backend, like an engine someone else launched).
 
@@ -22,12 +23,12 @@ def start_engine(model_dir: Path, port: int, log_path: Path, *args: str,
     without vLLM's compile cache) and decodes the demo model no slower on CPU; vLLM 0.32's CPU
     worker dies on the first speculative step in eager mode, so speculating engines compile."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", PYTHONHASHSEED="0",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_HOST_IP="127.0.0.1")
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_HOST_IP="127.0.0.1", **(env or {}))
     eager = () if "--speculative-config" in args else ("--enforce-eager",)
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "demo",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir), "--served-model-name", served_name,
+        "--host", host, "--port", str(port),
         "--gpu-memory-utilization", "0.3", "--block-size", "32",
         *(("--weight-transfer-config", '{"backend":"yieldgate"}') if plugin else ()), *eager, *args,
     ]

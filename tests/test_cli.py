@@ -34,8 +34,8 @@ def test_simulate_refuses_an_unknown_policy_with_exit_2():
 
 
 def test_model_make_writes_the_same_files_for_the_same_seed(tmp_path):
-    a = run("model", "make", "--out", str(tmp_path / "a"), "--seed", "3")
-    b = run("model", "make", "--out", str(tmp_path / "b"), "--seed", "3")
+    a = run("model", "make", "tiny", "--out", str(tmp_path / "a"), "--seed", "3")
+    b = run("model", "make", "tiny", "--out", str(tmp_path / "b"), "--seed", "3")
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert a.stdout.strip() == str(tmp_path / "a")  # stdout is the model's path, for scripts
     files = sorted(p.name for p in (tmp_path / "a").iterdir())

@@ -46,7 +46,7 @@ def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
     config = Config(
         server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
         limits=LimitsConfig(streams_per_key=1000, max_body_bytes=MAX_BODY),
-        fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
+        fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
                           tiers={"standard": TierConfig(policy="round_robin")}),
     )
     config.pricing.ledger.journal_dir = str(tmp_path / "journal")
@@ -140,7 +140,7 @@ async def test_stream_is_relayed_chunk_by_chunk(gateway_factory, redis_url, tmp_
     upstream = LockstepUpstream(TOKENS)
     try:
         config = Config(server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
-                        fleet=FleetConfig(replicas=[ReplicaConfig(name="lockstep-0", url=upstream.url)],
+                        fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="lockstep-0", url=upstream.url)],
                                           tiers={"standard": TierConfig(policy="round_robin")}))
         config.pricing.ledger.journal_dir = str(tmp_path / "journal")
         gw = gateway_factory(config)
@@ -353,7 +353,7 @@ async def test_a_request_on_a_kept_alive_connection_closed_under_it_is_re_sent(g
     upstream = ClosingUpstream()
     try:
         config = Config(server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
-                        fleet=FleetConfig(replicas=[ReplicaConfig(name="closing-0", url=upstream.url)],
+                        fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="closing-0", url=upstream.url)],
                                           tiers={"standard": TierConfig(policy="round_robin")}))
         config.pricing.ledger.journal_dir = str(tmp_path / "journal")
         gw = gateway_factory(config)
@@ -410,7 +410,7 @@ async def test_ledger_and_request_metrics_can_be_switched_off(gateway_factory, f
     config = Config(
         server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path), admin_token="t0ken",
                             ledger=False, request_metrics=False),
-        fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
+        fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
                           tiers={"standard": TierConfig(policy="round_robin")}),
     )
     gw = gateway_factory(config)

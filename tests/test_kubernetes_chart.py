@@ -429,7 +429,7 @@ def test_gateway_and_engines_read_the_same_model_files(case):
         inits = pod.get("initContainers", [])
         if case.values.get("model", {}).get("demo", True):
             (init,) = inits  # the deterministic demo model: same seed, byte-identical files in every pod
-            assert init["command"][:3] == ["yieldgate", "model", "make"]
+            assert init["command"][:4] == ["yieldgate", "model", "make", "tiny"]
             assert init["command"][-1] == case.values.get("model", {}).get("path", "/models/demo")
         else:
             assert inits == []
