@@ -1,5 +1,6 @@
 """Ledger: journal durability, exactly-once storage, outages, crash recovery and reports.
-The same contract runs against SQLiteStore and RedisStore (real Redis, DB 14)."""
+The same contract runs against SQLiteStore, RedisStore (real Redis, DB 14) and PostgresStore (a
+database of the test's own, tests/pg.py)."""
 
 import asyncio
 import io
@@ -15,8 +16,9 @@ from decimal import Decimal
 
 import pytest
 
-from yieldgate.pricing import (Ledger, LedgerRecord, PriceBook, RedisStore, SQLiteStore, StoreUnavailable,
-                     Usage)
+from pg import temp_database
+from yieldgate.pricing import (Ledger, LedgerRecord, PostgresStore, PriceBook, RedisStore, SQLiteStore,
+                               StoreUnavailable, Usage)
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,11 +40,17 @@ def make_record(i: int, ts: float = 1_700_000_000.0, **over) -> LedgerRecord:
 def store_factory(kind: str, tmp_path, prefix: str):
     if kind == "sqlite":
         return lambda: SQLiteStore(tmp_path / "ledger.sqlite3")
+    if kind == "postgres":
+        return lambda: PostgresStore(prefix)
     return lambda: RedisStore(REDIS_URL, prefix=prefix)
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 async def new_store(request, tmp_path):
+    if request.param == "postgres":
+        with temp_database() as url:
+            yield store_factory("postgres", tmp_path, url)
+        return
     prefix = f"yg-test-ledger:{uuid.uuid4().hex[:8]}:"
     factory = store_factory(request.param, tmp_path, prefix)
     yield factory
