@@ -2,9 +2,10 @@
 
 One typed row per billed request (no JSON document: ~200-300 bytes a row with its indexes) in a
 table partitioned by day of `ts`, so retention is dropping a partition, not a DELETE that bloats.
-A batch is one INSERT ... SELECT FROM unnest(column arrays) ON CONFLICT DO NOTHING: one round
-trip, no per-row statements, and a replayed batch adds nothing (the key is (request_id, ts), and
-a replay carries the very same journal line, so the same ts). Partitions are created on demand
+A batch is one INSERT ... SELECT FROM json_populate_recordset($1) ON CONFLICT DO NOTHING: the
+journal lines go over as they are (the gateway decodes nothing but each line's ts), PostgreSQL
+types them into the row's columns, one round trip per batch, and a replayed batch adds nothing (the
+key is (request_id, ts), and a replay carries the very same journal line, so the same ts). Partitions are created on demand
 under an advisory lock, so any number of gateways may write the first row of a new day together.
 """
 
@@ -52,9 +53,15 @@ CREATE TABLE IF NOT EXISTS yg_outcome (
 );
 CREATE TABLE IF NOT EXISTS yg_meta (name text PRIMARY KEY, value text NOT NULL);
 """
-_INSERT = (f"INSERT INTO yg_ledger ({', '.join(_NAMES)}) SELECT * FROM unnest("
-           + ", ".join(f"${i}::{t}[]" for i, (_, t) in enumerate(COLUMNS, 1))
-           + ") ON CONFLICT DO NOTHING")
+# The JSON keys are LedgerRecord's fields, which are the columns; money arrives as decimal strings.
+_INSERT = "INSERT INTO yg_ledger SELECT * FROM json_populate_recordset(NULL::yg_ledger, $1::json) ON CONFLICT DO NOTHING"
+
+
+class _Ts(msgspec.Struct):
+    ts: float
+
+
+_TS = msgspec.json.Decoder(_Ts)
 _SELECT = f"SELECT {', '.join(_NAMES)} FROM yg_ledger"
 _LOCK = 0x79676c6564676572  # "ygledger": serialises partition creation across gateways
 
@@ -135,12 +142,10 @@ class PostgresStore:
         self._partitions |= missing
 
     async def upsert(self, docs: Sequence[bytes]) -> int:
-        records = [_REC.decode(d) for d in docs]
-        if not records:
+        if not docs:
             return 0
-        await self._ensure_partitions({day_start(r.ts) for r in records})
-        columns = [[getattr(r, c) for r in records] for c in _NAMES]
-        status = await self._run("execute", _INSERT, *columns)
+        await self._ensure_partitions({day_start(_TS.decode(d).ts) for d in docs})
+        status = await self._run("execute", _INSERT, (b"[" + b",".join(docs) + b"]").decode())
         return int(status.rsplit(" ", 1)[1])  # "INSERT 0 <rows>"
 
     async def get(self, request_id: str) -> LedgerRecord | None:
