@@ -277,8 +277,10 @@ class Accounting:
                 return
             reloaded = await self.keys.reload()
         except (RedisError, OSError, StoreUnavailable) as exc:
-            log.debug("cache epoch check: %s", exc)  # unreachable: decided once it answers
+            log.warning("cache epoch check or rebuild failed, tried again in %.1f s: %s",
+                        self.config.server.cache_check_s, exc)
             return
+        self.epoch.rebuilt()
         self.cache_rebuilds.inc()
         if self.ledger is not None:
             self.ledger.verify_store()

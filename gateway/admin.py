@@ -213,6 +213,14 @@ def add_report_routes(router: APIRouter, acc: "Accounting") -> None:
         await ledger.export_csv(out, since=parse_time(since, "since"), until=parse_time(until, "until"))
         return Response(out.getvalue(), media_type="text/csv")
 
+    @router.get("/billing/focus.csv")
+    async def focus_csv(since: str | None = None, until: str | None = None) -> Response:
+        """Charges per key, team, model, tier, weight version and day in the FinOps FOCUS shape."""
+        ledger = await acc.flushed_ledger()
+        out = io.StringIO()
+        await ledger.export_focus_csv(out, since=parse_time(since, "since"), until=parse_time(until, "until"))
+        return Response(out.getvalue(), media_type="text/csv")
+
     @router.get("/yield")
     async def fleet_yield() -> Response:
         return json_response(acc.fleet_cost.report())

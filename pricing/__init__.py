@@ -15,7 +15,7 @@ from .ledger import Ledger
 from .price_book import PriceBook
 from .ratelimit import RateDecision, RateLimiter
 from .record import LedgerRecord, Outcome, record_docs
-from .report import SuccessRow, UsageRow, export_csv, success_report, usage_report
+from .report import SuccessRow, UsageRow, export_csv, export_focus_csv, success_report, usage_report
 from .stores import LedgerStore, PostgresStore, RedisStore, SQLiteStore
 
 __all__ = [
@@ -27,5 +27,5 @@ __all__ = [
     "WIRE_ENCODER", "Journal", "Ledger", "LedgerRecord", "LedgerStore", "Outcome", "RedisStore",
     "SQLiteStore", "ApiKey", "BudgetEnforcer", "BudgetStatus", "CreatedKey", "KeyStore",
     "RateDecision", "RateLimiter", "Reservation", "CacheAdvisor", "Divergence", "KeyCacheReport",
-    "common_prefix_len", "diagnose", "record_docs", "SuccessRow", "UsageRow", "export_csv", "success_report", "usage_report",
+    "common_prefix_len", "diagnose", "record_docs", "SuccessRow", "UsageRow", "export_csv", "export_focus_csv", "success_report", "usage_report",
 ]

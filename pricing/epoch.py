@@ -16,11 +16,14 @@ class CacheEpoch:
     def __init__(self, redis: aioredis.Redis, key: str = "yg:epoch") -> None:
         self.redis = redis
         self.key = key
-        self.epoch: str | None = None  # the marker this process last saw
+        self.epoch: str | None = None  # the marker of the cache this process last rebuilt or found
+        self._seen: str | None = None
+        self._checked = False
 
     async def check(self) -> bool:
-        """True when the cache must be rebuilt: the marker is not the one seen last (or, on the
-        first check, there was none). Raises Redis errors (unreachable: nothing to decide)."""
+        """True when the cache must be rebuilt: the marker is not the one known (or, on the first
+        check, there was none); call rebuilt() once it is, or the next check says so again.
+        Raises Redis errors (unreachable: nothing to decide)."""
         value = await self.redis.get(self.key)
         if value is not None and value.decode() == self.epoch:
             return False
@@ -28,6 +31,12 @@ class CacheEpoch:
         if missing:
             await self.redis.set(self.key, secrets.token_hex(8), nx=True)
             value = await self.redis.get(self.key)
-        first = self.epoch is None
-        self.epoch = value.decode() if value is not None else None
-        return missing or not first
+        self._seen = value.decode() if value is not None else None
+        first, self._checked = not self._checked, True
+        if first and not missing:
+            self.epoch = self._seen  # a cache that was there before this process
+            return False
+        return True
+
+    def rebuilt(self) -> None:
+        self.epoch = self._seen

@@ -23,7 +23,7 @@ from .config import LedgerConfig
 from .errors import LedgerError, StoreReset, StoreUnavailable
 from .journal import Journal
 from .record import LedgerRecord, Outcome
-from .report import SuccessRow, UsageRow, export_csv, success_report, usage_report
+from .report import SuccessRow, UsageRow, export_csv, export_focus_csv, success_report, usage_report
 from .stores.base import LedgerStore
 
 log = logging.getLogger(__name__)
@@ -229,3 +229,7 @@ class Ledger:
     async def export_csv(self, out: TextIO, *, since: float | None = None,
                          until: float | None = None) -> int:
         return await export_csv(self.store, out, since=since, until=until)
+
+    async def export_focus_csv(self, out: TextIO, *, since: float | None = None,
+                               until: float | None = None) -> int:
+        return await export_focus_csv(self.store, out, since=since, until=until)

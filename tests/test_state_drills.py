@@ -147,6 +147,12 @@ def test_redis_emptied_loses_no_key_budget_or_bill(upstream, redis_url, redis_db
     assert keys[0]["budget"]["spent_usd"] == spend["total_usd"]
     assert ask(gw.url, secret, 200)[0] == 429
     assert metric(gw.url, "yieldgate_cache_rebuilds_total") >= 1
+    # The bill, as FinOps tools read it (admin credential required).
+    assert httpx.get(gw.url + "/admin/billing/focus.csv", timeout=10).status_code == 401
+    focus = list(csv.DictReader(io.StringIO(
+        httpx.get(gw.url + "/admin/billing/focus.csv", headers=AUTH, timeout=10).text)))
+    assert sum(Decimal(r["BilledCost"]) for r in focus) == Decimal(str(spend["total_usd"]))
+    assert {r["x_KeyId"] for r in focus} == {key_id} and {r["SubAccountId"] for r in focus} == {"drill"}
 
 
 def test_redis_ledger_store_emptied_replays_the_journal(upstream, redis_url, redis_db, pg_url, tmp_path,
