@@ -13,7 +13,7 @@ from typing import TextIO
 import msgspec
 
 from .record import RECORD_FIELDS, LedgerRecord
-from .stores.base import LedgerStore
+from .stores.base import AggregatingStore, LedgerStore
 
 ZERO = Decimal(0)
 
@@ -56,6 +56,12 @@ class UsageRow(msgspec.Struct):
 async def usage_report(store: LedgerStore, group_by: tuple[str, ...], *, since: float | None = None,
                        until: float | None = None, where: dict[str, str] | None = None) -> list[UsageRow]:
     key = _key_fn(group_by)
+    unknown = [k for k in (where or {}) if k not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"cannot filter by {unknown}; choose from {sorted(DIMENSIONS)}")
+    if isinstance(store, AggregatingStore):
+        found = await store.aggregate_usage(group_by, since, until, dict(where or {}))
+        return sorted(found, key=lambda r: tuple("" if r.group[g] is None else r.group[g] for g in group_by))
     filters = [(DIMENSIONS[k], v) for k, v in (where or {}).items()]
     rows: dict[tuple, UsageRow] = {}
     async for batch in store.scan(since, until):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
 from decimal import Decimal
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..record import LedgerRecord, Outcome, OutcomeTarget
+
+if TYPE_CHECKING:
+    from ..report import UsageRow
 
 
 @runtime_checkable
@@ -49,3 +52,14 @@ class LedgerStore(Protocol):
         ...
 
     async def get_outcomes(self, target: OutcomeTarget, ids: Iterable[str]) -> dict[str, Outcome]: ...
+
+
+@runtime_checkable
+class AggregatingStore(Protocol):
+    """A store that sums usage where the rows are (a database), instead of the report scanning
+    every record through the gateway."""
+
+    async def aggregate_usage(self, group_by: tuple[str, ...], since: float | None, until: float | None,
+                              where: dict[str, str]) -> list[UsageRow]:
+        """The rows usage_report() would compute by a scan, in any order."""
+        ...

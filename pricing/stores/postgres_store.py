@@ -15,13 +15,16 @@ import calendar
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import msgspec
 
 from ..errors import StoreUnavailable
 from ..record import LedgerRecord, Outcome, OutcomeTarget
+
+if TYPE_CHECKING:
+    from ..report import UsageRow
 
 DAY_S = 86400
 _REC = msgspec.json.Decoder(LedgerRecord)
@@ -63,6 +66,17 @@ class _Ts(msgspec.Struct):
 
 _TS = msgspec.json.Decoder(_Ts)
 _SELECT = f"SELECT {', '.join(_NAMES)} FROM yg_ledger"
+# report dimension -> SQL expression (the same values as pricing/report.py DIMENSIONS)
+_DIMENSIONS = {
+    "key_id": "key_id", "key": "key_id", "team": "team", "model": "model", "tier": "tier",
+    "requested_tier": "coalesce(nullif(requested_tier, ''), tier)", "replica": "replica",
+    "gateway": "gateway", "weight_version": "weight_version", "adapter": "adapter",
+    "session_id": "session_id", "status": "status", "route": "route",
+    "day": "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
+}
+_SUMS = ("count(*), count(*) FILTER (WHERE status <> 'ok'), coalesce(sum(prompt_tokens), 0), "
+         "coalesce(sum(cached_tokens), 0), coalesce(sum(completion_tokens), 0), sum(cost_uncached_input), "
+         "sum(cost_cached_input), sum(cost_output), sum(cost_total)")
 _LOCK = 0x79676c6564676572  # "ygledger": serialises partition creation across gateways
 
 
@@ -177,6 +191,27 @@ class PostgresStore:
             "WHERE key_id = $1 AND ts >= $2 AND ts < $3", key_id,
             float("-inf") if since is None else since, float("inf") if until is None else until)
         return Decimal(total)
+
+    async def aggregate_usage(self, group_by: tuple[str, ...], since: float | None, until: float | None,
+                              where: dict[str, str]) -> list[UsageRow]:
+        """Spend and tokens summed by PostgreSQL (partitions outside [since, until) are not read)."""
+        from ..report import UsageRow
+
+        args: list[Any] = [float("-inf") if since is None else since, float("inf") if until is None else until]
+        conditions = ["ts >= $1", "ts < $2"]
+        for dim, value in where.items():
+            args.append(value)
+            conditions.append(f"{_DIMENSIONS[dim]} = ${len(args)}")
+        dims = [_DIMENSIONS[g] for g in group_by]
+        sql = (f"SELECT {', '.join([*dims, _SUMS])} FROM yg_ledger WHERE {' AND '.join(conditions)}"
+               + (f" GROUP BY {', '.join(str(i) for i in range(1, len(dims) + 1))}" if dims else ""))
+        rows = await self._run("fetch", sql, *args)
+        n = len(dims)
+        return [UsageRow(group=dict(zip(group_by, r[:n])), requests=r[n], errors=r[n + 1],
+                         prompt_tokens=r[n + 2], cached_tokens=r[n + 3], completion_tokens=r[n + 4],
+                         cost_uncached_input=Decimal(r[n + 5]), cost_cached_input=Decimal(r[n + 6]),
+                         cost_output=Decimal(r[n + 7]), cost_total=Decimal(r[n + 8]))
+                for r in rows if r[n]]
 
     async def put_outcome(self, outcome: Outcome) -> None:
         await self._run(
