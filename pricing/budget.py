@@ -263,11 +263,15 @@ class BudgetEnforcer:
             log.warning("budget settle failed for key %s: %s", key.id, e)
 
     async def status(self, key: ApiKey) -> BudgetStatus:
-        period = period_id(key.budget_period, self.clock())
+        now = self.clock()
+        period = period_id(key.budget_period, now)
         spent, reserved, seeded = await self.redis.hmget(self._keys(key.id, period)[0],
                                                          ["spent", "reserved", "seeded"])
         if seeded is None and self.spend_source is not None and key.budget_usd is not None:
-            await self.seed(key, period)
-            spent, reserved = await self.redis.hmget(self._keys(key.id, period)[0], ["spent", "reserved"])
+            # Not seeded yet: the ledger's figure, without waiting to seed (listing many keys).
+            since, until = period_bounds(key.budget_period, now)
+            return BudgetStatus(key_id=key.id, period=period, budget_usd=key.budget_usd,
+                                spent_usd=await self.spend_source(key.id, since, until),
+                                reserved_usd=Decimal(0))
         return BudgetStatus(key_id=key.id, period=period, budget_usd=key.budget_usd,
                             spent_usd=from_nano(int(spent or 0)), reserved_usd=from_nano(int(reserved or 0)))
