@@ -12,7 +12,7 @@ from typing import TextIO
 
 import msgspec
 
-from .record import RECORD_FIELDS, LedgerRecord
+from .record import RECORD_FIELDS, LedgerRecord, UsageRow
 from .stores.base import AggregatingStore, LedgerStore
 
 ZERO = Decimal(0)
@@ -38,19 +38,6 @@ def _key_fn(group_by: tuple[str, ...]) -> Callable[[LedgerRecord], tuple]:
         raise ValueError(f"cannot group by {unknown}; choose from {sorted(DIMENSIONS)}")
     getters = [DIMENSIONS[g] for g in group_by]
     return lambda r: tuple(g(r) for g in getters)
-
-
-class UsageRow(msgspec.Struct):
-    group: dict[str, str | None]
-    requests: int = 0
-    errors: int = 0               # status != "ok"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    cost_uncached_input: Decimal = ZERO
-    cost_cached_input: Decimal = ZERO
-    cost_output: Decimal = ZERO
-    cost_total: Decimal = ZERO
 
 
 async def usage_report(store: LedgerStore, group_by: tuple[str, ...], *, since: float | None = None,

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from ..record import LedgerRecord, Outcome, OutcomeTarget
-
-if TYPE_CHECKING:
-    from ..report import UsageRow
+from ..record import LedgerRecord, Outcome, OutcomeTarget, UsageRow
 
 
 @runtime_checkable

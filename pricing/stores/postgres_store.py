@@ -17,16 +17,13 @@ import calendar
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 import msgspec
 
 from ..errors import StoreUnavailable
-from ..record import LedgerRecord, Outcome, OutcomeTarget
-
-if TYPE_CHECKING:
-    from ..report import UsageRow
+from ..record import LedgerRecord, Outcome, OutcomeTarget, UsageRow
 
 DAY_S = 86400
 _REC = msgspec.json.Decoder(LedgerRecord)
@@ -197,8 +194,6 @@ class PostgresStore:
     async def aggregate_usage(self, group_by: tuple[str, ...], since: float | None, until: float | None,
                               where: dict[str, str]) -> list[UsageRow]:
         """Spend and tokens summed by PostgreSQL (partitions outside [since, until) are not read)."""
-        from ..report import UsageRow
-
         args: list[Any] = [float("-inf") if since is None else since, float("inf") if until is None else until]
         conditions = ["ts >= $1", "ts < $2"]
         for dim, value in where.items():
