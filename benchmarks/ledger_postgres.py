@@ -169,8 +169,8 @@ def summarize(runs: list[dict]) -> dict:
     sizes = [r["bytes_per_row"] for r in runs]
     return {
         "runs": len(runs),
-        "rows_per_s": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
-        "bytes_per_row": {"median": statistics.median(sizes), "min": min(sizes), "max": max(sizes)},
+        "rows_per_s": {"median": round(statistics.median(rates)), "min": min(rates), "max": max(rates)},
+        "bytes_per_row": {"median": round(statistics.median(sizes), 1), "min": min(sizes), "max": max(sizes)},
         "lost": sum(r["lost"] for r in runs), "doubled": sum(r["doubled"] for r in runs),
         "goal": {"rows_per_s": GOAL_ROWS_PER_S, "bytes_per_row": GOAL_BYTES_PER_ROW},
         "goal_met": statistics.median(rates) >= GOAL_ROWS_PER_S and max(sizes) <= GOAL_BYTES_PER_ROW
