@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -153,6 +154,10 @@ def test_redis_emptied_loses_no_key_budget_or_bill(upstream, redis_url, redis_db
         httpx.get(gw.url + "/admin/billing/focus.csv", headers=AUTH, timeout=10).text)))
     assert sum(Decimal(r["BilledCost"]) for r in focus) == Decimal(str(spend["total_usd"]))
     assert {r["x_KeyId"] for r in focus} == {key_id} and {r["SubAccountId"] for r in focus} == {"drill"}
+    cli = subprocess.run([sys.executable, "-m", "yieldgate.gateway.cli", "spend", "--focus", "--url", gw.url,
+                          "--admin-token", ADMIN], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert list(csv.DictReader(io.StringIO(cli.stdout))) == focus
 
 
 def test_redis_ledger_store_emptied_replays_the_journal(upstream, redis_url, redis_db, pg_url, tmp_path,
@@ -234,6 +239,7 @@ def test_drill_redis_emptied_under_load_two_gateways(upstream, redis_url, redis_
     # The capped key: over its budget by no more than the requests in flight at the loss.
     spent = sum(Decimal(rows[rid][0]["cost_total"]) for s, rid, _ in capped_ok)
     biggest = max(a[2] for a in capped_ok)
+    print(f"[drill a] capped key: ${spent} spent of ${BUDGET} ({len(capped_ok)} served, largest ${biggest})")
     assert spent <= Decimal(BUDGET) + clients_per_key * biggest, (spent, biggest)
     assert budget_answers[-1][0] == 429
     for gw in gws:
