@@ -260,7 +260,7 @@ class Accounting:
     async def _ledger_spend(self, key_id: str, since: float | None, until: float | None) -> Decimal:
         """A key's spend in [since, until) as the ledger has it, this gateway's records included."""
         assert self.ledger is not None
-        await self.ledger.flush(timeout=5.0)  # StoreUnavailable: the counter stays unseeded
+        await self.ledger.flush_verified(timeout=5.0)  # StoreUnavailable: the counter stays unseeded
         return await self.ledger.store.key_spend(key_id, since, until)
 
     async def _watch_cache(self) -> None:

@@ -72,6 +72,7 @@ class Ledger:
         self.journal.open()
         self._wake = asyncio.Event()
         self._progress = asyncio.Condition()
+        self._shipping = asyncio.Lock()  # one of: a batch to the store, a check of its mark
         try:
             await self._check_mark()
         except StoreUnavailable as e:  # checked by the flusher once the store answers
@@ -144,7 +145,8 @@ class Ledger:
             self._wake.clear()
             self._urgent = False
             try:
-                await self._drain()
+                async with self._shipping:
+                    await self._drain()
             except StoreReset as e:  # the store is up, only empty: replay at once, no backoff
                 log.warning("%s", e)
                 self._wake.set()
@@ -167,6 +169,16 @@ class Ledger:
         self._marked = False
         if self._wake is not None:
             self._wake.set()
+
+    async def flush_verified(self, timeout: float | None = None) -> None:
+        """flush(), after checking that the store still holds what the checkpoint says: what
+        a reader summing the store (a budget counter being rebuilt) must wait for."""
+        try:
+            async with self._shipping:
+                await self._check_mark()
+        except StoreReset:
+            pass
+        await self.flush(timeout)
 
     async def _check_mark(self) -> None:
         mark = await self.store.mark()

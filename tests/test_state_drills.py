@@ -162,19 +162,25 @@ def test_redis_emptied_loses_no_key_budget_or_bill(upstream, redis_url, redis_db
 
 def test_redis_ledger_store_emptied_replays_the_journal(upstream, redis_url, redis_db, pg_url, tmp_path,
                                                         gateway_process_factory):
-    """With the ledger in Redis, its journal checkpoint does not hide records the store lost."""
+    """With the ledger in Redis, its journal checkpoint does not hide records the store lost, and a
+    budget counter rebuilt from that store waits for the replay."""
     config = state_config(upstream, redis_url, pg_url, tmp_path / "data", store="redis")
     gw = gateway_process_factory(config)
     _, secret = create_key(gw.url, team="drill")
+    _, capped = create_key(gw.url, team="drill", budget_usd="0.00005", budget_period="total")
     answered = [ask(gw.url, secret, i) for i in range(6)]
+    answered += [ask(gw.url, capped, 10 + i) for i in range(6)]
+    assert answered[-1][0] == 429
     reconcile(gw.url, answered, within_s=5)
     redis_db.flushdb()
-    answered.append(ask(gw.url, secret, 6))  # the next batch finds the store's mark gone
+    assert ask(gw.url, capped, 20)[0] == 429  # seeded from the store once the journal is back in it
+    answered.append(ask(gw.url, secret, 6))
     reconcile(gw.url, answered, within_s=5)
     gw.stop()
     redis_db.flushdb()
     gw = gateway_process_factory(config)  # and at start: the store's mark is not the journal's
     reconcile(gw.url, answered, within_s=5)
+    assert ask(gw.url, capped, 21)[0] == 429
 
 
 def test_drill_redis_emptied_under_load_two_gateways(upstream, redis_url, redis_db, pg_url, tmp_path,
