@@ -266,7 +266,10 @@ class Accounting:
     async def _watch_cache(self) -> None:
         while True:
             await asyncio.sleep(self.config.server.cache_check_s)
-            await self._check_cache()
+            try:
+                await self._check_cache()
+            except Exception:  # the watch must outlive any one failure, or a loss goes unnoticed
+                log.exception("cache epoch check failed")
 
     async def _check_cache(self) -> None:
         """A Redis without the epoch marker lost its data: reload the keys from their record and
