@@ -32,10 +32,15 @@ import msgspec
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
+from prometheus_client import Counter
+from redis.exceptions import RedisError
+
 from yieldgate.pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, FleetCostMeter, InsufficientQuota,
                      InvalidApiKey, KeyStore, Ledger, LedgerConfig, LedgerError, LedgerRecord,
-                     LimiterUnavailable, PriceBook, RateLimiter, RedisStore, ReplicaCost,
-                     Reservation, SQLiteStore)
+                     LimiterUnavailable, PostgresStore, PriceBook, RateLimiter, RedisStore, ReplicaCost,
+                     Reservation, SQLiteStore, StoreUnavailable)
+from yieldgate.pricing.epoch import CacheEpoch
+from yieldgate.pricing.key_record import PostgresKeyRecord
 from yieldgate.pricing import RateLimited as PricingRateLimited
 from yieldgate.pricing import Usage as PricedUsage
 from yieldgate.serving.config import home_dir
@@ -208,6 +213,12 @@ class Accounting:
         self.budget: BudgetEnforcer | None = None
         self.limiter: RateLimiter | None = None
         self.ledger: Ledger | None = None
+        self.epoch: CacheEpoch | None = None
+        self._epoch_task: asyncio.Task[None] | None = None
+        self.cache_rebuilds = Counter(
+            "yieldgate_cache_rebuilds_total", "Times Redis was found without its data (epoch marker "
+            "gone) and rebuilt: keys reloaded from PostgreSQL, budget counters re-seeded from the ledger",
+            registry=metrics.registry)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_token = config.server.admin_token.encode()
         self._request_metrics = config.server.request_metrics
@@ -226,15 +237,58 @@ class Accounting:
             self.config.server.redis_url, max_connections=REDIS_CONNECTIONS, timeout=5.0,
             socket_timeout=5.0, socket_connect_timeout=5.0)
         self.redis = aioredis.Redis(connection_pool=pool)
+        postgres_url = self.config.server.postgres_url
+        record = PostgresKeyRecord(postgres_url) if postgres_url else None
+        if record is not None:
+            await record.open()
         self.keys = KeyStore(self.redis, pepper=limits.key_pepper or local_pepper(data_dir(self.config)),
-                             prefix=limits.prefix,
+                             prefix=limits.prefix, record=record,
                              cache_ttl_s=limits.key_cache_ttl_s, on_redis_error=limits.on_redis_error)
+        self.ledger = await self._start_ledger() if self.config.server.ledger else None
+        # Budget counters are a cache of the ledger's spend when there is a ledger to read.
         self.budget = BudgetEnforcer(self.redis, prefix=limits.prefix,
                                      on_redis_error=limits.on_redis_error,
-                                     reservation_ttl_s=limits.reservation_ttl_s)
+                                     reservation_ttl_s=limits.reservation_ttl_s,
+                                     spend_source=self._ledger_spend if self.ledger is not None else None,
+                                     seed_delay_s=self.config.pricing.ledger.flush_interval_s + 0.1)
         self.limiter = RateLimiter(self.redis, prefix=limits.prefix, window_s=limits.rate_window_s,
                                    on_redis_error=limits.on_redis_error)
-        self.ledger = await self._start_ledger() if self.config.server.ledger else None
+        self.epoch = CacheEpoch(self.redis, limits.prefix + "epoch")
+        await self._check_cache()
+        self._epoch_task = asyncio.create_task(self._watch_cache(), name="yieldgate-cache-epoch")
+
+    async def _ledger_spend(self, key_id: str, since: float | None, until: float | None) -> Decimal:
+        """A key's spend in [since, until) as the ledger has it, this gateway's records included."""
+        assert self.ledger is not None
+        await self.ledger.flush_verified(timeout=5.0)  # StoreUnavailable: the counter stays unseeded
+        return await self.ledger.store.key_spend(key_id, since, until)
+
+    async def _watch_cache(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.server.cache_check_s)
+            try:
+                await self._check_cache()
+            except Exception:  # the watch must outlive any one failure, or a loss goes unnoticed
+                log.exception("cache epoch check failed")
+
+    async def _check_cache(self) -> None:
+        """A Redis without the epoch marker lost its data: reload the keys from their record and
+        have the ledger check its store (counters re-seed themselves from the ledger on first use)."""
+        assert self.epoch is not None and self.keys is not None
+        try:
+            if not await self.epoch.check():
+                return
+            reloaded = await self.keys.reload()
+        except (RedisError, OSError, StoreUnavailable) as exc:
+            log.warning("cache epoch check or rebuild failed, tried again in %.1f s: %s",
+                        self.config.server.cache_check_s, exc)
+            return
+        self.epoch.rebuilt()
+        self.cache_rebuilds.inc()
+        if self.ledger is not None:
+            self.ledger.verify_store()
+        log.warning("Redis holds no epoch marker (new or emptied): rebuilt its cache, %d API keys reloaded "
+                    "from the record; budget counters are re-seeded from the ledger on first use", reloaded)
 
     async def _start_ledger(self) -> Ledger:
         cfg = self.config.pricing.ledger
@@ -247,6 +301,9 @@ class Accounting:
             if cfg.store == "redis":
                 url = self.config.server.redis_url if cfg.redis_url == _DEFAULT_LEDGER.redis_url else cfg.redis_url
                 store: Any = RedisStore(url, cfg.redis_prefix)
+            elif cfg.store == "postgres":
+                store = PostgresStore(cfg.postgres_url or self.config.server.postgres_url,
+                                      retention_days=cfg.retention_days)
             else:
                 store = SQLiteStore(cfg.sqlite_path or root / "ledger.sqlite3")
             ledger = Ledger(store, directory, flush_interval_s=cfg.flush_interval_s,
@@ -261,10 +318,14 @@ class Accounting:
         raise LedgerError(f"no usable ledger journal under {journal.parent}")
 
     async def close(self) -> None:
+        if self._epoch_task is not None:
+            self._epoch_task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
         if self.ledger is not None:
             await self.ledger.close()
+        if self.keys is not None and self.keys.record is not None:
+            await self.keys.record.close()
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -379,9 +440,10 @@ class Accounting:
         cost = self.price_book.cost(ctx.model, ctx.tier, priced, ctx.adapter.name if ctx.adapter else "") \
             if usage is not None else Cost()
         key = ctx.key
+        finished_at = time.time()
         if self.ledger is not None:
             self.ledger.record(LedgerRecord.priced(
-                request_id=ctx.request_id, usage=priced, cost=cost,
+                request_id=ctx.request_id, usage=priced, cost=cost, ts=finished_at,
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
                 tier=ctx.tier, requested_tier=ctx.requested_tier,
                 replica=ctx.replica_name, weight_version=ctx.weight_version, gateway=self.instance_id,
@@ -390,7 +452,7 @@ class Accounting:
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
                 latency_ms=round(latency * 1000, 3), status=status))
         if key is not None:
-            self._after_keyed(ctx, key, cost, priced)
+            self._after_keyed(ctx, key, cost, priced, finished_at)
         if usage is None:
             return {}
         # Totals, token and cost counters and the cache advisor only feed the dashboard and the
@@ -476,17 +538,18 @@ class Accounting:
             completion = min(completion, ctx.max_tokens)
         return Usage(prompt, min(ctx.predicted_cached_tokens, prompt), completion)
 
-    def _after_keyed(self, ctx: RequestContext, key: ApiKey, cost: Cost, usage: PricedUsage) -> None:
+    def _after_keyed(self, ctx: RequestContext, key: ApiKey, cost: Cost, usage: PricedUsage,
+                     finished_at: float) -> None:
         """Budget settle and TPM top-up need Redis: off the response path, awaited on close."""
         if ctx.reservation is not None:
-            self._spawn(self._settle(key, ctx.reservation, cost))
+            self._spawn(self._settle(key, ctx.reservation, cost, finished_at))
         extra_tokens = usage.total_tokens - ctx.rate_tokens
         if key.tpm and extra_tokens > 0 and self.limiter is not None:
             self._spawn(self.limiter.add_tokens(key, extra_tokens))
 
-    async def _settle(self, key: ApiKey, reservation: Reservation, cost: Cost) -> None:
+    async def _settle(self, key: ApiKey, reservation: Reservation, cost: Cost, finished_at: float) -> None:
         assert self.budget is not None
-        await self.budget.settle(key, reservation, cost)
+        await self.budget.settle(key, reservation, cost, finished_at)
         try:
             status = await self.budget.status(key)
         except Exception:  # a gauge is not worth an error

@@ -20,12 +20,12 @@ from fastapi import APIRouter, Depends, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from yieldgate.pricing import KeyNotFound, UsageRow
+from yieldgate.pricing import KeyNotFound, StoreUnavailable, UsageRow
 from yieldgate.pricing.keys import BudgetKind, BudgetPeriod
 from yieldgate.pricing.report import DIMENSIONS
 
 from .accounting import usd
-from .errors import InvalidRequest, NotFound
+from .errors import InvalidRequest, NotFound, ServiceUnavailable
 from .http import decode_body, json_response
 
 if TYPE_CHECKING:
@@ -134,14 +134,23 @@ def add_fleet_routes(router: APIRouter, fleet: "Fleet", engine_status: Callable[
         return json_response({tier: dataclasses.asdict(status) for tier, status in fleet.discovery.status.items()})
 
 
+def record_unavailable(exc: StoreUnavailable) -> ServiceUnavailable:
+    # Keys change only in their record: a key whose only copy is a cache could vanish with it.
+    return ServiceUnavailable(f"The key record (PostgreSQL) is unreachable; keys cannot be created, "
+                              f"changed or listed until it is back ({exc}).", code="key_record_unavailable")
+
+
 def add_key_routes(router: APIRouter, acc: "Accounting") -> None:
     @router.post("/keys")
     async def create_key(request: Request) -> Response:
         spec: KeyCreate = await decode_body(request, KeyCreate)
         assert acc.keys is not None
-        created = await acc.keys.create(
-            spec.team, name=spec.name, budget_usd=spec.budget_usd, budget_kind=spec.budget_kind,
-            budget_period=spec.budget_period, rpm=spec.rpm, tpm=spec.tpm)
+        try:
+            created = await acc.keys.create(
+                spec.team, name=spec.name, budget_usd=spec.budget_usd, budget_kind=spec.budget_kind,
+                budget_period=spec.budget_period, rpm=spec.rpm, tpm=spec.tpm)
+        except StoreUnavailable as exc:
+            raise record_unavailable(exc) from None
         return json_response({"key": created.key, "secret": created.secret,
                               "note": "The secret is shown once; only its HMAC is stored."}, 201)
 
@@ -149,7 +158,11 @@ def add_key_routes(router: APIRouter, acc: "Accounting") -> None:
     async def list_keys(team: str | None = None) -> Response:
         assert acc.keys is not None and acc.budget is not None
         out = []
-        for key in await acc.keys.list(team):
+        try:
+            keys = await acc.keys.list(team)
+        except StoreUnavailable as exc:
+            raise record_unavailable(exc) from None
+        for key in keys:
             entry: dict[str, Any] = {"key": key}
             if key.budget_usd is not None:
                 status = await acc.budget.status(key)
@@ -167,6 +180,8 @@ def add_key_routes(router: APIRouter, acc: "Accounting") -> None:
             key = await acc.keys.revoke(key_id)
         except KeyNotFound:
             raise NotFound(f"No API key with id {key_id!r}.") from None
+        except StoreUnavailable as exc:
+            raise record_unavailable(exc) from None
         return json_response({"key": key, "revoked": True})
 
 
@@ -196,6 +211,14 @@ def add_report_routes(router: APIRouter, acc: "Accounting") -> None:
         ledger = await acc.flushed_ledger()
         out = io.StringIO()
         await ledger.export_csv(out, since=parse_time(since, "since"), until=parse_time(until, "until"))
+        return Response(out.getvalue(), media_type="text/csv")
+
+    @router.get("/billing/focus.csv")
+    async def focus_csv(since: str | None = None, until: str | None = None) -> Response:
+        """Charges per key, team, model, tier, weight version and day in the FinOps FOCUS shape."""
+        ledger = await acc.flushed_ledger()
+        out = io.StringIO()
+        await ledger.export_focus_csv(out, since=parse_time(since, "since"), until=parse_time(until, "until"))
         return Response(out.getvalue(), media_type="text/csv")
 
     @router.get("/yield")

@@ -26,6 +26,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     require_keys: bool = False         # inference endpoints need an API key
     allow_insecure_public: bool = False  # bind a non-loopback address with no credentials at all
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # PostgreSQL, the system of record for API keys, teams and budgets (and the ledger with
+    # pricing.ledger.store = "postgres"); Redis then only caches them. "" = Redis holds the keys.
+    # e.g. postgresql://yieldgate@db.internal:5432/yieldgate; YIELDGATE_SERVER__POSTGRES_URL.
+    postgres_url: str = ""
+    # How often the gateway checks that Redis still holds its epoch marker (a Redis restarted
+    # empty is rebuilt: keys reloaded from PostgreSQL, budget counters re-seeded from the ledger).
+    cache_check_s: float = 1.0
     data_dir: str = ""                 # ledger and journal; "" = <YIELDGATE_HOME>/data
     log_content: bool = False          # never log prompts or completions unless set
     cors_origins: list[str] = []       # CORS is off unless origins are listed
@@ -58,6 +65,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
         # Keys, budgets and rate limits live in Redis: there is no Redis-less mode to fall back to.
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"server.redis_url must be a redis://, rediss:// or unix:// URL, not {self.redis_url!r}")
+        if self.postgres_url and not self.postgres_url.startswith(("postgresql://", "postgres://")):
+            raise ValueError("server.postgres_url must be a postgresql:// URL")
+        if self.cache_check_s <= 0:
+            raise ValueError("server.cache_check_s must be > 0")
 
 
 class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,6 +112,14 @@ class ConfigError(ValueError):
     pass
 
 
+def check_state(config: Config) -> None:
+    """The ledger in PostgreSQL needs to know which PostgreSQL."""
+    ledger = config.pricing.ledger
+    if ledger.store == "postgres" and not (ledger.postgres_url or config.server.postgres_url):
+        raise ConfigError('pricing.ledger.store = "postgres" needs server.postgres_url '
+                          '(or pricing.ledger.postgres_url)')
+
+
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     raw: dict[str, Any] = {}
     if path:
@@ -111,9 +130,11 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     apply_env_overrides(raw, os.environ if env is None else env)
     try:
         # strict=False: environment values are strings ("9000" for an int field).
-        return msgspec.convert(raw, Config, strict=False)
+        config = msgspec.convert(raw, Config, strict=False)
     except (msgspec.ValidationError, ValueError) as exc:
         raise ConfigError(f"invalid config: {exc}") from exc
+    check_state(config)
+    return config
 
 
 def apply_env_overrides(raw: dict[str, Any], env: Mapping[str, str]) -> None:

@@ -151,12 +151,18 @@ def spend(
     since: Optional[str] = typer.Option(None, help="24h, 7d, ISO 8601 or unix seconds."),
     until: Optional[str] = typer.Option(None, help="ISO 8601 or unix seconds."),
     csv: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
+    focus: bool = typer.Option(False, "--focus", help="Print the FinOps FOCUS billing CSV: charges per key, "
+                               "team, model, tier, weight version and day (--group-by does not apply)."),
     config: Optional[Path] = ConfigOpt, url: Optional[str] = UrlOpt, admin_token: Optional[str] = TokenOpt,
 ) -> None:
     """Spend and tokens from the gateway's ledger, grouped."""
     groups = ",".join("key_id" if g.strip() == "key" else g.strip() for g in group_by.split(","))
     query = {"group_by": groups, "since": to_since(since), "until": to_since(until) if until else ""}
     api = client(config, url, admin_token)
+    if focus:
+        query.pop("group_by")
+        out.file.write(api.request("GET", "/admin/billing/focus.csv", query=query).decode())
+        return
     if csv:
         out.file.write(api.request("GET", "/admin/spend.csv", query=query).decode())
         return

@@ -17,7 +17,7 @@ Example TOML:
     surcharge = "0.10"
     [pricing.ledger]
     journal_dir = "/var/lib/yieldgate/ledger"
-    store = "sqlite"               # or "redis"
+    store = "sqlite"               # or "postgres" (the fleet's record), "redis"
     [pricing.limits]
     on_redis_error = "open"        # or "closed"
 """
@@ -71,8 +71,13 @@ class AdapterPrice(msgspec.Struct, forbid_unknown_fields=True):
 
 class LedgerConfig(msgspec.Struct, forbid_unknown_fields=True):
     journal_dir: str = "~/.yieldgate/ledger"
-    store: Literal["sqlite", "redis"] = "sqlite"
+    # sqlite: one file, one gateway. postgres: the record for a fleet of gateways (docs/deployment.md).
+    # redis: shared, but only as durable as that Redis (a Redis restarted empty gets the journals
+    # replayed, which hold records back to their last compaction only).
+    store: Literal["sqlite", "redis", "postgres"] = "sqlite"
     sqlite_path: str = ""                 # "" = <journal_dir>/ledger.sqlite3
+    postgres_url: str = ""                # "" = the gateway's server.postgres_url
+    retention_days: int = 0               # postgres: drop day partitions older than this at start (0: keep)
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "yg:ledger:"
     flush_interval_s: float = 0.2         # how long the flusher waits to batch records

@@ -65,3 +65,8 @@ class LedgerError(PricingError):
 
 class StoreUnavailable(LedgerError):
     """The ledger store backend failed; records stay in the journal and are retried."""
+
+
+class StoreReset(StoreUnavailable):
+    """The ledger store lost its data (its mark changed, e.g. a Redis restarted empty): the ledger
+    replays its whole journal into it."""

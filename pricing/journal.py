@@ -26,6 +26,7 @@ class Journal:
         self.dir = Path(directory).expanduser()
         self.path = self.dir / "journal.jsonl"
         self.checkpoint_path = self.dir / "journal.checkpoint"
+        self.store_mark_path = self.dir / "journal.store"  # the mark of the store checkpointed against
         self._fd = -1
         self._rfd = -1
         self._cfd = -1
@@ -102,6 +103,24 @@ class Journal:
         # event loop instead of a temp file, a write and a rename (which could block for milliseconds).
         os.pwrite(self._cfd, b"%020d\n" % offset, 0)
         self.committed = offset
+
+    def rewind(self) -> None:
+        """Forget the checkpoint: every record still in the journal is shipped again (the store
+        lost what it had confirmed; its upserts are idempotent, so records it kept are not doubled)."""
+        os.pwrite(self._cfd, b"%020d\n" % 0, 0)
+        self.committed = 0
+
+    def store_mark(self) -> str:
+        try:
+            return self.store_mark_path.read_text().strip()
+        except FileNotFoundError:
+            return ""
+
+    def set_store_mark(self, mark: str) -> None:
+        if mark != self.store_mark():
+            tmp = self.store_mark_path.with_suffix(".tmp")
+            tmp.write_text(mark + "\n")
+            os.replace(tmp, self.store_mark_path)
 
     def close(self) -> None:
         for fd in (self._fd, self._rfd, self._cfd):

@@ -1,5 +1,7 @@
 """API keys: created and revoked by the admin API / CLI, stored hashed in Redis (one hash per key)
-so several gateways share them.
+so several gateways share them. With a KeyRecord (PostgreSQL, pricing/key_record.py) the record
+holds every key and Redis is its cache: written through on every change, filled from the record
+on a miss, reloaded whole (reload()) when it comes back empty.
 
 Secrets look like `yg-<key id>-<random>` and are shown once. Redis keeps only
 HMAC-SHA256(pepper, secret); authentication recomputes it and compares with hmac.compare_digest.
@@ -12,20 +14,27 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
 from decimal import Decimal
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .config import LimitsConfig
-from .errors import InvalidApiKey, KeyNotFound, LimiterUnavailable
+from .errors import InvalidApiKey, KeyNotFound, LimiterUnavailable, StoreUnavailable
 
+if TYPE_CHECKING:
+    from .key_record import KeyRecord
+
+log = logging.getLogger(__name__)
 SECRET_PREFIX = "yg-"
+_KEY_ID = re.compile(r"[0-9a-f]{12}")  # secrets.token_hex(6)
 BudgetKind = Literal["hard", "soft"]
 BudgetPeriod = Literal["daily", "monthly", "total"]
 _DEC = msgspec.json.Decoder()
@@ -52,8 +61,9 @@ class CreatedKey(msgspec.Struct):
 class KeyStore:
     def __init__(self, redis: aioredis.Redis, *, pepper: str | bytes, prefix: str = "yg:",
                  cache_ttl_s: float = 5.0, on_redis_error: Literal["open", "closed"] = "open",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, record: KeyRecord | None = None) -> None:
         self.redis = redis
+        self.record = record  # None: Redis is the only copy of the keys
         self.prefix = prefix
         self._pepper = pepper.encode() if isinstance(pepper, str) else pepper
         self.cache_ttl_s = cache_ttl_s
@@ -82,29 +92,60 @@ class KeyStore:
                      budget_kind=budget_kind, budget_period=budget_period, rpm=rpm, tpm=tpm,
                      created_at=time.time())
         secret = f"{SECRET_PREFIX}{key.id}-{secrets.token_urlsafe(24)}"
-        await self.redis.hset(self._k(key.id), mapping={
-            "doc": msgspec.json.encode(key), "hash": self.digest(secret), "team": team})
-        await self.redis.sadd(self.prefix + "keys", key.id)
+        digest = self.digest(secret)
+        if self.record is not None:
+            await self.record.put(key, digest)  # StoreUnavailable: no key whose only copy is a cache
+        await self._cache_key(key, digest)
         return CreatedKey(key=key, secret=secret)
+
+    async def _cache_key(self, key: ApiKey, digest: str) -> None:
+        try:
+            await self.redis.hset(self._k(key.id), mapping={
+                "doc": msgspec.json.encode(key), "hash": digest, "team": key.team})
+            await self.redis.sadd(self.prefix + "keys", key.id)
+        except (RedisError, OSError):
+            if self.record is None:
+                raise
+            log.warning("key %s is in the record but not cached in Redis (filled on first use)", key.id)
 
     async def get(self, key_id: str) -> ApiKey:
         doc = await self.redis.hget(self._k(key_id), "doc")
-        if doc is None:
-            raise KeyNotFound(key_id)
-        return msgspec.json.decode(doc, type=ApiKey)
+        if doc is not None:
+            return msgspec.json.decode(doc, type=ApiKey)
+        if self.record is not None and (found := await self.record.get(key_id)) is not None:
+            await self._cache_key(*found)
+            return found[0]
+        raise KeyNotFound(key_id)
 
     async def update(self, key_id: str, **changes: object) -> ApiKey:
         """Change budget/limits/team of an existing key (admin API)."""
         key = msgspec.structs.replace(await self.get(key_id), **changes)
         key = msgspec.convert(msgspec.to_builtins(key), ApiKey)  # re-validate field types
+        if self.record is not None:
+            await self.record.put(key)
         await self.redis.hset(self._k(key_id), mapping={"doc": msgspec.json.encode(key), "team": key.team})
         self._cache.pop(key_id, None)
         return key
+
+    async def reload(self) -> int:
+        """Copy every key of the record into Redis (a Redis that came back empty); how many."""
+        if self.record is None:
+            return 0
+        keys = await self.record.all()
+        pipe = self.redis.pipeline(transaction=False)
+        for key, digest in keys:
+            pipe.hset(self._k(key.id), mapping={"doc": msgspec.json.encode(key), "hash": digest, "team": key.team})
+        if keys:
+            pipe.sadd(self.prefix + "keys", *(k.id for k, _ in keys))
+        await pipe.execute()
+        return len(keys)
 
     async def revoke(self, key_id: str) -> ApiKey:
         return await self.update(key_id, revoked=True)
 
     async def list(self, team: str | None = None) -> list[ApiKey]:
+        if self.record is not None:
+            return [k for k, _ in await self.record.all(team)]
         ids = sorted(i.decode() for i in await self.redis.smembers(self.prefix + "keys"))
         docs = [await self.redis.hget(self._k(i), "doc") for i in ids]
         keys = [msgspec.json.decode(d, type=ApiKey) for d in docs if d]
@@ -129,18 +170,33 @@ class KeyStore:
                 # A stale cached key is better than refusing everyone while Redis blips ("open").
                 if cached is not None and self.on_redis_error == "open":
                     return self._check(cached[1], cached[2], presented)
-                raise LimiterUnavailable(f"key store unreachable: {e}") from e
-            if doc is None:
+                found = await self._from_record(key_id, e)
+            else:
+                found = None if doc is None else (msgspec.json.decode(doc, type=ApiKey), stored.decode())
+                if found is None and self.record is not None and _KEY_ID.fullmatch(key_id):
+                    # Not cached (yet, or any more). Only well-formed ids cost a record lookup.
+                    found = await self._from_record(key_id, None)
+                    if found is not None:
+                        await self._cache_key(*found)
+            if found is None:
                 raise InvalidApiKey("unknown API key")
             if len(self._cache) > 100_000:
                 self._cache.clear()  # bound memory under key-id spraying
-            cached = (self._clock(), msgspec.json.decode(doc, type=ApiKey), stored.decode(), b"")
+            cached = (self._clock(), found[0], found[1], b"")
             self._cache[key_id] = cached
         assert cached is not None
         key = self._check(cached[1], cached[2], presented)
         if not cached[3]:
             self._cache[key_id] = (*cached[:3], seen)
         return key
+
+    async def _from_record(self, key_id: str, redis_error: Exception | None) -> tuple[ApiKey, str] | None:
+        if self.record is None:
+            raise LimiterUnavailable(f"key store unreachable: {redis_error}") from redis_error
+        try:
+            return await self.record.get(key_id)
+        except StoreUnavailable as e:
+            raise LimiterUnavailable(f"key store unreachable: {redis_error or e}") from e
 
     @staticmethod
     def _check(key: ApiKey, stored: str, presented: str) -> ApiKey:

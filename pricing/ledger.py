@@ -3,7 +3,10 @@
 record() encodes the record and appends it to the local journal (one os.write) before returning;
 a background task ships journal batches to the store and advances the checkpoint only after the
 store confirmed them. Start-up replays whatever the checkpoint does not cover. Replays are safe
-because stores insert idempotently by request_id. Memory stays bounded: the flusher reads the
+because stores insert idempotently by request_id. A checkpoint is only as good as the store behind
+it: the journal remembers the store's mark (LedgerStore.mark()), and a store that comes back with
+another one (a Redis restarted empty, a database recreated) gets the whole journal again, on start
+and whenever it answers StoreReset. Memory stays bounded: the flusher reads the
 journal in batches, so a long store outage grows the journal file, not the process.
 """
 
@@ -17,10 +20,10 @@ from typing import TextIO
 import msgspec
 
 from .config import LedgerConfig
-from .errors import LedgerError, StoreUnavailable
+from .errors import LedgerError, StoreReset, StoreUnavailable
 from .journal import Journal
 from .record import LedgerRecord, Outcome
-from .report import SuccessRow, UsageRow, export_csv, success_report, usage_report
+from .report import SuccessRow, UsageRow, export_csv, export_focus_csv, success_report, usage_report
 from .stores.base import LedgerStore
 
 log = logging.getLogger(__name__)
@@ -45,15 +48,19 @@ class Ledger:
         self.stored = 0          # records newly inserted by this process
         self.duplicates = 0      # replayed records the store already had
         self.store_errors = 0
+        self.store_resets = 0    # times the store had lost what the checkpoint said it held
         self.last_error: str | None = None
+        self._marked = False     # the store's mark was checked against the journal's
 
     @classmethod
-    def from_config(cls, config: LedgerConfig) -> Ledger:
-        from .stores import RedisStore, SQLiteStore
+    def from_config(cls, config: LedgerConfig, postgres_url: str = "") -> Ledger:
+        from .stores import PostgresStore, RedisStore, SQLiteStore
         journal_dir = Path(config.journal_dir).expanduser()
         store: LedgerStore
         if config.store == "redis":
             store = RedisStore(config.redis_url, config.redis_prefix)
+        elif config.store == "postgres":
+            store = PostgresStore(config.postgres_url or postgres_url, retention_days=config.retention_days)
         else:
             store = SQLiteStore(config.sqlite_path or journal_dir / "ledger.sqlite3")
         return cls(store, journal_dir, flush_interval_s=config.flush_interval_s,
@@ -65,6 +72,12 @@ class Ledger:
         self.journal.open()
         self._wake = asyncio.Event()
         self._progress = asyncio.Condition()
+        self._shipping = asyncio.Lock()  # one of: a batch to the store, a check of its mark
+        try:
+            await self._check_mark()
+        except StoreUnavailable as e:  # checked by the flusher once the store answers
+            log.warning("ledger store unavailable at start, records stay journaled: %s", e)
+            self._wake.set()
         if self.journal.pending_bytes:
             log.info("ledger: replaying %d journal bytes not confirmed by the store",
                      self.journal.pending_bytes)
@@ -132,7 +145,11 @@ class Ledger:
             self._wake.clear()
             self._urgent = False
             try:
-                await self._drain()
+                async with self._shipping:
+                    await self._drain()
+            except StoreReset as e:  # the store is up, only empty: replay at once, no backoff
+                log.warning("%s", e)
+                self._wake.set()
             except StoreUnavailable as e:
                 self.store_errors += 1
                 self.last_error = str(e)
@@ -146,12 +163,46 @@ class Ledger:
                 await asyncio.sleep(self.retry_backoff_s)
                 self._wake.set()
 
+    def verify_store(self) -> None:
+        """Check the store's mark again before the next batch (a cache that held it came back
+        empty): the flusher replays the journal if it changed."""
+        self._marked = False
+        if self._wake is not None:
+            self._wake.set()
+
+    async def flush_verified(self, timeout: float | None = None) -> None:
+        """flush(), after checking that the store still holds what the checkpoint says: what
+        a reader summing the store (a budget counter being rebuilt) must wait for."""
+        try:
+            async with self._shipping:
+                await self._check_mark()
+        except StoreReset:
+            pass
+        await self.flush(timeout)
+
+    async def _check_mark(self) -> None:
+        mark = await self.store.mark()
+        known = self.journal.store_mark()
+        if known and known != mark and self.journal.committed:
+            self.store_resets += 1
+            log.warning("ledger store lost its data (mark %s, journal checkpointed against %s): "
+                        "replaying all %d journal bytes", mark, known, self.journal.size)
+            self.journal.rewind()
+        self.journal.set_store_mark(mark)
+        self._marked = True
+
     async def _drain(self) -> None:
         assert self._progress is not None
+        if not self._marked:
+            await self._check_mark()
         while self.journal.pending_bytes:
             records, offset = self.journal.read_batch(self.batch_size)
             if records:
-                added = await self.store.upsert(records)
+                try:
+                    added = await self.store.upsert(records)
+                except StoreReset:
+                    self._marked = False
+                    raise
                 self.stored += added
                 self.duplicates += len(records) - added
             self.journal.commit(offset, self.compact_bytes)
@@ -190,3 +241,7 @@ class Ledger:
     async def export_csv(self, out: TextIO, *, since: float | None = None,
                          until: float | None = None) -> int:
         return await export_csv(self.store, out, since=since, until=until)
+
+    async def export_focus_csv(self, out: TextIO, *, since: float | None = None,
+                               until: float | None = None) -> int:
+        return await export_focus_csv(self.store, out, since=since, until=until)

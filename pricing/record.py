@@ -1,4 +1,5 @@
-"""LedgerRecord (one billed request) and Outcome (feedback attached to a request or session)."""
+"""LedgerRecord (one billed request), Outcome (feedback attached to a request or session) and
+UsageRow (records summed by a report's dimensions)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,16 @@ class Outcome(msgspec.Struct, kw_only=True):
 
 
 RECORD_FIELDS: tuple[str, ...] = LedgerRecord.__struct_fields__
+
+
+class UsageRow(msgspec.Struct):
+    group: dict[str, str | None]
+    requests: int = 0
+    errors: int = 0               # status != "ok"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    cost_uncached_input: Decimal = ZERO
+    cost_cached_input: Decimal = ZERO
+    cost_output: Decimal = ZERO
+    cost_total: Decimal = ZERO

@@ -1,5 +1,6 @@
 """Ledger reports computed over a store scan, identical for every backend: spend and tokens by
-any dimension, success rate / $ per success (intelligence per dollar), CSV export."""
+any dimension, success rate / $ per success (intelligence per dollar), CSV export, and a billing
+export in the FinOps FOCUS shape."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import TextIO
 
 import msgspec
 
-from .record import RECORD_FIELDS, LedgerRecord
-from .stores.base import LedgerStore
+from .record import RECORD_FIELDS, LedgerRecord, UsageRow
+from .stores.base import AggregatingStore, LedgerStore
 
 ZERO = Decimal(0)
 
@@ -39,22 +40,15 @@ def _key_fn(group_by: tuple[str, ...]) -> Callable[[LedgerRecord], tuple]:
     return lambda r: tuple(g(r) for g in getters)
 
 
-class UsageRow(msgspec.Struct):
-    group: dict[str, str | None]
-    requests: int = 0
-    errors: int = 0               # status != "ok"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    cost_uncached_input: Decimal = ZERO
-    cost_cached_input: Decimal = ZERO
-    cost_output: Decimal = ZERO
-    cost_total: Decimal = ZERO
-
-
 async def usage_report(store: LedgerStore, group_by: tuple[str, ...], *, since: float | None = None,
                        until: float | None = None, where: dict[str, str] | None = None) -> list[UsageRow]:
     key = _key_fn(group_by)
+    unknown = [k for k in (where or {}) if k not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"cannot filter by {unknown}; choose from {sorted(DIMENSIONS)}")
+    if isinstance(store, AggregatingStore):
+        found = await store.aggregate_usage(group_by, since, until, dict(where or {}))
+        return sorted(found, key=lambda r: tuple("" if r.group[g] is None else r.group[g] for g in group_by))
     filters = [(DIMENSIONS[k], v) for k, v in (where or {}).items()]
     rows: dict[tuple, UsageRow] = {}
     async for batch in store.scan(since, until):
@@ -154,5 +148,65 @@ async def export_csv(store: LedgerStore, out: TextIO, *, since: float | None = N
     async for batch in store.scan(since, until):
         for r in batch:
             writer.writerow(["" if (v := getattr(r, f)) is None else v for f in RECORD_FIELDS])
+            n += 1
+    return n
+
+
+# FinOps FOCUS (Open Cost and Usage Specification) columns, the ones a usage-billed service fills,
+# then x_-prefixed columns of its own (FOCUS's rule for provider extensions).
+FOCUS_COLUMNS = (
+    "BilledCost", "EffectiveCost", "ListCost", "ContractedCost", "BillingCurrency",
+    "BillingPeriodStart", "BillingPeriodEnd", "ChargePeriodStart", "ChargePeriodEnd",
+    "ChargeCategory", "ChargeFrequency", "ChargeDescription", "ConsumedQuantity", "ConsumedUnit",
+    "PricingQuantity", "PricingUnit", "ProviderName", "PublisherName", "InvoiceIssuerName",
+    "ServiceName", "ServiceCategory", "ResourceId", "ResourceName", "ResourceType", "SkuId",
+    "SubAccountId", "SubAccountName", "Tags",
+    "x_KeyId", "x_Team", "x_Model", "x_Tier", "x_WeightVersion", "x_Requests",
+)
+FOCUS_GROUP = ("day", "key_id", "team", "model", "tier", "weight_version")
+# One charge row per token kind: each is its own SKU with its own unit price.
+_COMPONENTS = (("input", "uncached input tokens", "cost_uncached_input"),
+               ("cached_input", "cached input tokens", "cost_cached_input"),
+               ("output", "output tokens", "cost_output"))
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+async def export_focus_csv(store: LedgerStore, out: TextIO, *, since: float | None = None,
+                           until: float | None = None, provider: str = "yieldgate") -> int:
+    """Charges per key, team, model, tier, weight version and UTC day as FOCUS rows (one per token
+    kind), written to `out`; returns the number of rows. BilledCost sums to the ledger, exactly."""
+    import calendar
+    import json
+
+    writer = csv.writer(out)
+    writer.writerow(FOCUS_COLUMNS)
+    n = 0
+    for row in await usage_report(store, FOCUS_GROUP, since=since, until=until):
+        g = row.group
+        day = calendar.timegm(time.strptime(g["day"] or "1970-01-01", "%Y-%m-%d"))
+        t = time.gmtime(day)
+        month = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+        next_month = calendar.timegm((t.tm_year + t.tm_mon // 12, t.tm_mon % 12 + 1, 1, 0, 0, 0))
+        resource = f"{g['model']}:{g['tier']}@{g['weight_version']}" if g["weight_version"] else f"{g['model']}:{g['tier']}"
+        tags = json.dumps({"key_id": g["key_id"], "team": g["team"], "tier": g["tier"],
+                           "weight_version": g["weight_version"]}, separators=(",", ":"))
+        quantities = {"input": row.prompt_tokens - row.cached_tokens, "cached_input": row.cached_tokens,
+                      "output": row.completion_tokens}
+        for sku, what, cost_field in _COMPONENTS:
+            cost = getattr(row, cost_field)
+            if not quantities[sku] and not cost:
+                continue
+            amount = format(cost.normalize(), "f")
+            writer.writerow([
+                amount, amount, amount, amount, "USD",
+                _iso(month), _iso(next_month), _iso(day), _iso(day + 86400),
+                "Usage", "Usage-Based", f"{g['model']} {g['tier']} tier, {what}",
+                quantities[sku], "Tokens", quantities[sku], "Tokens", provider, provider, provider,
+                g["model"], "AI and Machine Learning", resource, resource, "Model",
+                f"{g['model']}:{g['tier']}:{sku}", g["team"], g["team"], tags,
+                g["key_id"], g["team"], g["model"], g["tier"], g["weight_version"], row.requests])
             n += 1
     return n

@@ -92,13 +92,17 @@ class Stack:
                             headers={"Authorization": f"Bearer {self.admin_token}"})
 
 
-def stack_config(admin_token: str, redis_url: str) -> str:
+def stack_config(admin_token: str, redis_url: str, postgres_url: str) -> str:
     return f"""
 [server]
 host = "127.0.0.1"
 port = {GATEWAY_PORT}
 admin_token = "{admin_token}"
 redis_url = "{redis_url}"
+postgres_url = "{postgres_url}"
+
+[pricing.ledger]
+store = "postgres"
 
 [fleet]
 model = "demo"
@@ -122,7 +126,7 @@ def redis_url() -> str:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, redis_url) -> Stack:
+def stack(tmp_path_factory, redis_url, request) -> Stack:
     from yieldgate.serving.demo_model import ensure_demo_model
 
     reuse = os.environ.get("YIELDGATE_TEST_GATEWAY")
@@ -139,6 +143,12 @@ def stack(tmp_path_factory, redis_url) -> Stack:
 
     import redis
 
+    from pg import temp_database
+
+    # PostgreSQL is the stack's record of keys, budgets and the ledger: a database of its own.
+    postgres = temp_database()
+    postgres_url = postgres.__enter__()
+    request.addfinalizer(lambda: postgres.__exit__(None, None, None))  # after the stack stopped
     # The adapter registry outlives a gateway in Redis: a new stack starts with none.
     with redis.Redis.from_url(redis_url) as r:
         stale = list(r.scan_iter("yg:adapters:*"))
@@ -149,7 +159,7 @@ def stack(tmp_path_factory, redis_url) -> Stack:
     model_dir = ensure_demo_model()
     admin_token = "test-admin-" + secrets.token_hex(8)
     config_path = home / "yieldgate.toml"
-    config_path.write_text(stack_config(admin_token, redis_url))
+    config_path.write_text(stack_config(admin_token, redis_url, postgres_url))
     env = dict(os.environ, YIELDGATE_HOME=str(home), PYTHONUNBUFFERED="1")
     env["YIELDGATE_FLEET__MODEL_PATH"] = str(model_dir)
     log_path = home / "up.log"

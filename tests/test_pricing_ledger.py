@@ -1,5 +1,6 @@
 """Ledger: journal durability, exactly-once storage, outages, crash recovery and reports.
-The same contract runs against SQLiteStore and RedisStore (real Redis, DB 14)."""
+The same contract runs against SQLiteStore, RedisStore (real Redis, DB 14) and PostgresStore (a
+database of the test's own, tests/pg.py)."""
 
 import asyncio
 import io
@@ -15,8 +16,9 @@ from decimal import Decimal
 
 import pytest
 
-from yieldgate.pricing import (Ledger, LedgerRecord, PriceBook, RedisStore, SQLiteStore, StoreUnavailable,
-                     Usage)
+from pg import temp_database
+from yieldgate.pricing import (Ledger, LedgerRecord, PostgresStore, PriceBook, RedisStore, SQLiteStore,
+                               StoreUnavailable, Usage)
 
 # Fixtures live on the session loop (pyproject: asyncio_default_fixture_loop_scope); so do tests.
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,11 +40,17 @@ def make_record(i: int, ts: float = 1_700_000_000.0, **over) -> LedgerRecord:
 def store_factory(kind: str, tmp_path, prefix: str):
     if kind == "sqlite":
         return lambda: SQLiteStore(tmp_path / "ledger.sqlite3")
+    if kind == "postgres":
+        return lambda: PostgresStore(prefix)
     return lambda: RedisStore(REDIS_URL, prefix=prefix)
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 async def new_store(request, tmp_path):
+    if request.param == "postgres":
+        with temp_database() as url:
+            yield store_factory("postgres", tmp_path, url)
+        return
     prefix = f"yg-test-ledger:{uuid.uuid4().hex[:8]}:"
     factory = store_factory(request.param, tmp_path, prefix)
     yield factory
@@ -329,4 +337,37 @@ async def test_intelligence_per_dollar(new_store, tmp_path):
     assert v2.spend_usd == v2.usd_per_success + recs[5].cost_total
     with pytest.raises(ValueError):
         await ledger.attach_outcome(request_id="a0", session_id="s")
+    await ledger.close()
+
+
+async def test_focus_billing_export(new_store, tmp_path):
+    import csv
+    import json
+
+    ledger = await started(new_store, tmp_path / "j")
+    records = [make_record(i, ts=1_764_892_800.0 + i * 3600) for i in range(60)]  # 2025-12-05, 60 hours
+    for r in records:
+        ledger.record(r)
+    await ledger.flush(timeout=30)
+    out = io.StringIO()
+    n = await ledger.export_focus_csv(out)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert n == len(rows) > 0
+    # Billed = effective = list (no discounts), and the whole export sums to the ledger, exactly.
+    assert sum(Decimal(r["BilledCost"]) for r in rows) == sum((r.cost_total for r in records), Decimal(0))
+    assert all(r["BilledCost"] == r["EffectiveCost"] == r["ListCost"] for r in rows)
+    assert {r["ChargePeriodStart"][:10] for r in rows} == {"2025-12-05", "2025-12-06", "2025-12-07"}
+    first = rows[0]
+    assert first["ChargePeriodStart"].endswith("T00:00:00Z") and first["BillingPeriodStart"] == "2025-12-01T00:00:00Z"
+    assert first["ChargeCategory"] == "Usage" and first["ConsumedUnit"] == "Tokens" and first["BillingCurrency"] == "USD"
+    # Tokens per SKU kind add up to the records' tokens; every row is one key, team, model, tier, version, day.
+    by_kind = {k: sum(int(r["ConsumedQuantity"]) for r in rows if r["SkuId"].endswith(":" + k))
+               for k in ("input", "cached_input", "output")}
+    assert by_kind == {"input": sum(r.prompt_tokens - r.cached_tokens for r in records),
+                       "cached_input": sum(r.cached_tokens for r in records),
+                       "output": sum(r.completion_tokens for r in records)}
+    tags = json.loads(first["Tags"])
+    assert tags["key_id"] == first["x_KeyId"] and tags["weight_version"] == "v1"
+    assert len({(r["x_KeyId"], r["x_Team"], r["x_Model"], r["x_Tier"], r["x_WeightVersion"],
+                 r["ChargePeriodStart"], r["SkuId"]) for r in rows}) == len(rows)
     await ledger.close()

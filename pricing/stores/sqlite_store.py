@@ -7,8 +7,10 @@ loop never blocks on disk. Each record is kept as its JSON document plus indexed
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sqlite3
 from collections.abc import AsyncIterator, Iterable, Sequence
+from decimal import Decimal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -33,6 +35,8 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_ts ON ledger(ts);
 CREATE INDEX IF NOT EXISTS ledger_session ON ledger(session_id);
+CREATE INDEX IF NOT EXISTS ledger_key ON ledger(key_id, ts);
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS outcome (
     target TEXT NOT NULL, target_id TEXT NOT NULL, doc BLOB NOT NULL,
     PRIMARY KEY (target, target_id)
@@ -72,6 +76,19 @@ class SQLiteStore:
             await self._run(self._db.close)
         self._pool.shutdown(wait=True)
         self._pool = None
+
+    async def mark(self) -> str:
+        await self._run(self._exec, "INSERT OR IGNORE INTO meta VALUES ('epoch', ?)", (secrets.token_hex(8),))
+        row = await self._run(self._one, "SELECT value FROM meta WHERE name = 'epoch'", ())
+        assert row is not None
+        return str(row[0])
+
+    async def key_spend(self, key_id: str, since: float | None = None,
+                        until: float | None = None) -> Decimal:
+        rows = await self._run(self._many, "SELECT doc FROM ledger WHERE key_id = ? AND ts >= ? AND ts < ?",
+                               (key_id, float("-inf") if since is None else since,
+                                float("inf") if until is None else until))
+        return sum((_REC.decode(doc).cost_total for (doc,) in rows), Decimal(0))
 
     async def upsert(self, docs: Sequence[bytes]) -> int:
         rows = []
