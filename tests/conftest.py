@@ -69,6 +69,28 @@ def record_result(path: Path, doc: dict) -> None:
         print(f"\n[result] {path}")
 
 
+def _harness():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record_counts(name: str, test: str, measures: list[str], counts: dict, **extra) -> None:
+    """What an asserting test measured (requests, failures, cases), as benchmarks/results/NAME.json
+    with the harness's meta: the README row of a figure a test asserts is computed from this record,
+    never typed. `test` is the node id that measured it; `measures` the code it exercises."""
+    if os.environ.get("YIELDGATE_RECORD_RESULTS") != "1":
+        return
+    harness = _harness()
+    meta = harness.environment(measures, command=f"python -m pytest {test}")
+    meta["load_avg_1m"]["before"] = harness.NOT_RECORDED  # taken as the test ends, not as it starts
+    harness.finish(meta)
+    record_result(harness.RESULTS / f"{name}.json", {"meta": meta, "test": test, "counts": counts, **extra})
+
+
 @dataclass
 class Stack:
     gateway_url: str
