@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load_file
 
-from rollout import load_process, model_dir, own_stack, perturbed, read_records, spread, wait_for_traffic
+from stacks import load_process, model_dir, own_stack, perturbed, read_records, spread, wait_for_traffic
 from yieldgate.serving.peft import random_adapter
 from yieldgate.trainer_bridge import EngineClient, push, push_adapter
 

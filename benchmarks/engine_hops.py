@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from rollout import model_dir, own_stack
+from stacks import model_dir, own_stack
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -28,7 +28,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora_engine import RESULTS, decode_rate, demo_engine  # noqa: E402
+from stacks import decode_rate, demo_engine  # noqa: E402  benchmarks/stacks.py
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 SETTINGS = {"vllm_yield_loop": 0.0, "pause_50us": 50.0}
 STREAM_TOKENS = 2000

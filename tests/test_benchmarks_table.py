@@ -126,3 +126,37 @@ def test_summaries_are_median_and_range_of_every_run():
     assert harness.summarize([3, 1, 2, 10]) == {"n": 4, "median": 2.5, "min": 1.0, "max": 10.0}
     assert run_all.median_range([1.0, 2.0, 9.0], lambda v: f"{v:.1f}") == "2.0 [1.0–9.0]"
     json.dumps(runs)
+
+
+def _summary(*values: float) -> dict:
+    return harness.summarize(values)
+
+
+def test_rows_of_results_the_harness_writes(monkeypatch):
+    """The figures of the harness's format (every run kept, median and range), for results that are
+    re-measured with it: fast tier with its same-engine control, engine crash and multihost with
+    their re-sends counted apart."""
+    fast = {"runs": [{}, {}, {}], "summary": {
+        name: {"speedup_e2e_output_tps_p50": _summary(*s), "control_e2e_output_tps_p50": _summary(1.05, 1.1, 1.2),
+               "speedup_e2e_output_tps_p50_corrected": _summary(*s),
+               "served_by": {"standard": {"standard-0": 30}, "fast": {replica: 30}}}
+        for name, s, replica in (("code_edit_greedy", (2.5, 2.9, 3.1), "fast-0"), ("chat", (0.9, 1.0, 1.1), "standard-0"),
+                                 ("code_edit_greedy@c4", (1.5, 1.9, 2.1), "fast-0"))}}
+    crash = {"runs": [{"streams": 100, "crashes": [{"served_by_other_tier": 10}]}] * 3, "summary": {
+        "requests": _summary(900, 1000, 1100), "failed": _summary(0, 0, 1), "streams_cut": _summary(1, 2, 3),
+        "gateway_resent": _summary(4, 5, 6), "admitted_s_standard": _summary(100, 120, 130),
+        "admitted_s_fast": _summary(150, 160, 170)}}
+    multihost = {"runs": [{"drills": {"sigkill": {"failed": 2}, "dns": {"failed": 0}}}] * 3, "summary": {
+        "requests": _summary(190, 200, 210), "failed": _summary(2, 2, 3), "refused_and_resent": _summary(1, 3, 4),
+        "dns_admit_s": _summary(4, 4.3, 5), "dns_leave_s": _summary(3, 3.5, 4), "sigterm_drain_s": _summary(3, 3.5, 4),
+        "sigkill_failed": _summary(2, 2, 3)}}
+    docs = {"fast_vs_standard": fast, "engine_crash": crash, "multihost": multihost}
+    monkeypatch.setattr(run_all, "load", lambda name: docs[name])
+    text = run_all.fast_vs_standard()
+    assert "**1.90× [1.50×–2.10×]** (conc. 4)" in text and "2.90× [2.50×–3.10×] (conc. 1)" in text
+    assert "fast target served by fast-0: code_edit_greedy, code_edit_greedy@c4; standard-0: chat" in text
+    assert "same-engine control, which came out 1.10×" in text
+    text = run_all.engine_crash()
+    assert "**0 [0–1] failed**" in text and "5 [4–6] re-sent by the gateway" in text
+    text = run_all.multihost()
+    assert "3 [1–4] refused connections re-sent" in text and "0 failed" in text
