@@ -665,17 +665,14 @@ def analyse(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def result_meta(results: dict[str, Any]) -> dict[str, Any]:
-    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    loads = [x for pair in results.get("loadavg_1min", {}).values() for x in pair]
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
-    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(results["started_at"])),
-            "machine": {"cores": os.cpu_count(), "cpu": cpu, "gpu": None,
-                        "load_avg_1m": {"min": min(loads, default=None), "max": max(loads, default=None),
-                                        "per_target": "loadavg_1min"}},
-            "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-            "versions": {"litellm": results.get("litellm_version"), **results.get("versions", {})}}
+    import harness  # benchmarks/harness.py, beside this script
+
+    pairs = list(results.get("loadavg_1min", {}).values())  # (before, after) per target, in run order
+    meta = harness.meta(["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/gateway_overhead.py", "benchmarks/fake_upstream.py"],
+                        load_before=pairs[0][0] if pairs else None,
+                        versions={"litellm": results.get("litellm_version"), **results.get("versions", {})})
+    meta["load_avg_1m"]["samples"] = pairs
+    return meta
 
 
 def _f(x: Any, nd: int = 2) -> str:

@@ -95,6 +95,20 @@ def finish(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def meta(measures: list[str], setup: str | None = None, load_before: float | None = None,
+         command: str | None = None, **notes: Any) -> dict[str, Any]:
+    """A result's meta in one call, for a script that writes its own document: taken as it writes
+    (the load before the runs only where the script kept it), with `notes` of its own."""
+    out = environment(measures, command)
+    out["load_avg_1m"]["before"] = round(load_before, 2) if load_before is not None else NOT_RECORDED
+    finish(out)
+    if setup:
+        out["setup"] = setup
+    if notes:
+        out["notes"] = notes
+    return out
+
+
 def summarize(values: Iterable[float]) -> dict[str, Any]:
     """Median and range of one figure over the runs: the table shows these, never a chosen run."""
     xs = [float(v) for v in values if v is not None]

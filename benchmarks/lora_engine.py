@@ -13,17 +13,16 @@ Writes benchmarks/results/lora_engine.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+import harness  # benchmarks/harness.py, beside this script
 
 from stacks import decode_rate, demo_engine  # benchmarks/stacks.py
 
@@ -73,12 +72,8 @@ def main() -> None:
         "adapter_vs_base_decode_c1": round(mean("adapter_tok_s_c1", True) / mean("base_tok_s_c1", True), 3),
         "adapter_vs_base_decode_c4": round(mean("adapter_tok_s_c4", True) / mean("base_tok_s_c4", True), 3),
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "meta": {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cores": os.cpu_count(), "gpu": None},
-                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-                 "command": "flock /tmp/yg-heavy.lock python benchmarks/lora_engine.py " + " ".join(sys.argv[1:])},
+        "meta": harness.meta(["serving/", "benchmarks/lora_engine.py"]),
         "engine": "demo standard-0 as launched by `yieldgate up` (prefix caching, KV events, core 0)",
         "summary": summary, "runs": rows}, indent=2))
     print(json.dumps(summary, indent=2))

@@ -538,15 +538,13 @@ def merge_real(previous: dict, rows: list[dict], run: dict) -> tuple[list[dict],
     return real, [*runs, run]
 
 
-def result_meta(command: str, load: str) -> dict:
-    import os
-    import subprocess
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/routing.py"]
 
-    return {"commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                     cwd=ROOT).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-            "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
-            "load": load, "command": command}
+
+def result_meta(command: str, load: str, measures: list[str] = MEASURES) -> dict:
+    import harness  # benchmarks/harness.py, beside this script
+
+    return harness.meta(measures, setup=load, command=command)
 
 
 def mean_over_seeds(runs: list[list[dict]]) -> list[dict]:

@@ -69,7 +69,8 @@ def record_result(path: Path, doc: dict) -> None:
         print(f"\n[result] {path}")
 
 
-def _harness():
+def bench_harness():
+    """benchmarks/harness.py (result meta, freshness), loaded once."""
     import importlib.util
 
     if "harness" not in sys.modules:  # benchmarks/harness.py; its dataclasses look their module up
@@ -86,10 +87,8 @@ def record_counts(name: str, test: str, measures: list[str], counts: dict, **ext
     never typed. `test` is the node id that measured it; `measures` the code it exercises."""
     if os.environ.get("YIELDGATE_RECORD_RESULTS") != "1":
         return
-    harness = _harness()
-    meta = harness.environment(measures, command=f"python -m pytest {test}")
-    meta["load_avg_1m"]["before"] = harness.NOT_RECORDED  # taken as the test ends, not as it starts
-    harness.finish(meta)
+    harness = bench_harness()
+    meta = harness.meta(measures, command=f"python -m pytest {test}")  # taken as the test ends
     record_result(harness.RESULTS / f"{name}.json", {"meta": meta, "test": test, "counts": counts, **extra})
 
 
