@@ -1,14 +1,17 @@
 """Every benchmark in the configuration its README row names, and the README's results table.
 
     python benchmarks/run_all.py --table            # print the table from benchmarks/results/
+    python benchmarks/run_all.py --check [--strict] # fail unless README's table is that table; list stale rows
+    python benchmarks/run_all.py --readme           # write the table into README.md
     python benchmarks/run_all.py --list             # each benchmark, its command and whether it runs here
     python benchmarks/run_all.py [--only a,b]       # run them (canonical results), then print the table
     python benchmarks/run_all.py --quick [--only …] # smaller runs written under /tmp/yieldgate-bench
 
-Each row of the table is computed from the canonical result file(s) its benchmark writes, so the
-README's figures are what this printed last. Rows whose figure is a property a test asserts (parity,
-chaos drills) name that test; the figure holds while the suite passes. Benchmarks that need a running
-stack start it themselves (`yieldgate up --config …` on loopback, stopped afterwards).
+Each row's figure and goal are computed from the canonical result file(s) its benchmark writes
+(benchmarks/harness.py's format), so the README's figures are what this printed last. Rows whose
+figure a test asserts (parity, chaos drills, fuzzing) read the counts that test recorded. Each row
+names the commit its result measured and whether that code changed since (stale). Benchmarks that
+need a running stack start it themselves (`yieldgate up --config …` on loopback, stopped afterwards).
 """
 
 from __future__ import annotations
