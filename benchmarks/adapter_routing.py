@@ -61,10 +61,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from routing import (DEMO_ENGINE, WORDS_PER_TOKEN, clear_bench_index, result_meta,  # noqa: E402
+from fleet_rig import (DEMO_ENGINE, WORDS_PER_TOKEN, clear_bench_index, result_meta,  # noqa: E402
                      two_replica_config)
 
-MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/adapter_routing.py", "benchmarks/routing.py"]
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/adapter_routing.py",
+            "benchmarks/fleet_rig.py"]
 
 from yieldgate.cache import PipelineSpec, WeightedScorer, register_preset  # noqa: E402
 from yieldgate.cache.policies import ADAPTER_AFFINITY_WEIGHT  # noqa: E402

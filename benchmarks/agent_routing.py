@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import harness  # noqa: E402  benchmarks/harness.py
-from routing import (REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, bootstrap_p90_diff,  # noqa: E402
+from fleet_rig import (REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, bootstrap_p90_diff,  # noqa: E402
                      clear_bench_index, two_replica_config)
 
 from yieldgate.cache.blocks import BlockHashConfig, BlockHasher  # noqa: E402
@@ -225,7 +225,8 @@ def main() -> None:
     summary = pooled(runs, len(engines))
     doc = {
         "meta": harness.meta(
-            ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/agent_routing.py", "benchmarks/routing.py"],
+            ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/agent_routing.py",
+             "benchmarks/fleet_rig.py"],
             setup=f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per load, wire "
                   f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), "
                   "prefix caches reset before each run",
