@@ -447,7 +447,9 @@ def chaos_faults() -> str:
     c = counts("chaos_faults")
     return (f"{c['in_flight_at_kill']} in flight at the kill; unary {failed(c['unary_failed'])} of {c['unary']:,}; "
             f"{c['streams_cut_with_error_event']} of {c['streams']:,} streams cut with an error event, their "
-            f"relayed tokens billed; {c['gateway_resends_after_closed_keepalive']} re-sent by the gateway (asserted)")
+            f"relayed tokens billed; re-sent by the gateway (failures avoided, counted apart): "
+            f"{c.get('gateway_retries_on_another_replica', 'not recorded')} to another replica, "
+            f"{c['gateway_resends_after_closed_keepalive']} after a closed kept-alive connection (asserted)")
 
 
 def chaos_redis() -> str:

@@ -108,7 +108,8 @@ def test_asserted_rows_are_computed_from_what_their_test_recorded(monkeypatch, n
     """No fixed strings: a record with a failure shows it, in bold."""
     row = next(b for b in run_all.BENCHMARKS if name in b.files)
     counts = {"in_flight_at_kill": 3, "unary": 10, "unary_failed": 0, "streams": 5, "streams_cut_with_error_event": 1,
-              "streams_left_by_client_at_stop": 0, "gateway_resends_after_closed_keepalive": 0, "requests": 10,
+              "streams_left_by_client_at_stop": 0, "gateway_resends_after_closed_keepalive": 0,
+              "gateway_retries_on_another_replica": 3, "requests": 10,
               "answered_during_outage": 4, "keyed_during_outage": 2, "failed": 0, "errors": 0,
               "ledger_matches_clients": 10, "answered": 10, "in_ledger_once": 10, "prompts": 10, "identical": 10}
     monkeypatch.setattr(run_all, "load", lambda n: {"meta": {}, "counts": counts})
