@@ -515,10 +515,12 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
           f"< {recent_s:.2f} s old; requests re-sent on a new "
           f"connection after a kept-alive one closed: {gw.gateway.proxy.upstream.stale_retries}")
     record_counts("chaos_faults", "tests/test_chaos_faults.py::test_replica_sigkill_under_load",
-                  [*["gateway/", "cache/", "serving/", "pricing/"], "tests/test_chaos_faults.py"], {
+                  ["gateway/", "cache/", "serving/", "pricing/", "tests/test_chaos_faults.py"], {
                       "in_flight_at_kill": inflight_at_kill, "unary": len(unary), "unary_failed": len(failed_unary),
                       "streams": len(streams), "streams_cut_with_error_event": len(cut_streams),
                       "streams_left_by_client_at_stop": left,
+                      # Failures the gateway avoided by sending again, counted apart from the requests.
+                      "gateway_retries_on_another_replica": int(engine_metric(gw.url, "yieldgate_upstream_retries")),
                       "gateway_resends_after_closed_keepalive": gw.gateway.proxy.upstream.stale_retries})
     timeline = [(round(a - killed_at, 2), round(b - a, 2), status, replica)
                 for a, b, status, replica in unary_times]
