@@ -87,7 +87,10 @@ def test_check_fails_when_the_readme_shows_a_stale_row_as_current(tmp_path, monk
     readme = tmp_path / "README.md"
     readme.write_text("# x\n\n" + run_all.table() + "\n")
     assert run_all.check(readme) == []
-    row = next(b for b in run_all.BENCHMARKS if b.name == "agent_routing")
+    current = [b for b in run_all.BENCHMARKS if b.files and "current" in run_all.measured(b)]
+    if not current:
+        pytest.skip("no row is current: nothing the README could claim wrongly")
+    row = current[0]
     real = run_all.load
 
     def older(name: str) -> dict:
