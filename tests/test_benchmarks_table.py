@@ -164,3 +164,20 @@ def test_rows_of_results_the_harness_writes(monkeypatch):
     assert "**0 [0–1] failed**" in text and "5 [4–6] re-sent by the gateway" in text
     text = run_all.multihost()
     assert "3 [1–4] refused connections re-sent" in text and "0 failed" in text
+
+
+def test_a_recording_keeps_its_environment_and_every_run(tmp_path):
+    rec = harness.Recording("x", ["cache/"], command="python benchmarks/x.py", out=tmp_path / "x.json")
+    runs = harness.repeat({"a": lambda: {"v": 1.0}}, n=3)
+    doc = rec.write(runs=runs, summary={"v": harness.by_target(runs, "v")}, setup="three passes")
+    assert json.loads((tmp_path / "x.json").read_text()) == doc
+    meta = doc["meta"]
+    assert harness.meta_problems(meta) == []
+    assert meta["commit"] == harness.git("rev-parse", "HEAD").stdout.strip() and isinstance(meta["dirty"], bool)
+    assert meta["date"].endswith("Z") and meta["command"] == "python benchmarks/x.py" and meta["setup"] == "three passes"
+    assert all(isinstance(meta["load_avg_1m"][k], float) for k in ("before", "after"))
+    assert set(meta["versions"]) == {"python", "vllm", "torch"} and len(doc["runs"]) == 3
+    # A script writing its own document takes the same meta in one call, its own notes apart.
+    other = harness.meta(["cache/"], setup="s", mode="full")
+    assert harness.meta_problems(other) == [] and other["notes"] == {"mode": "full"}
+    assert other["load_avg_1m"]["before"] == harness.NOT_RECORDED
