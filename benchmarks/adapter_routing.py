@@ -462,14 +462,14 @@ def plot_real(summary: list[dict], twin: list[dict], path: Path) -> None:
 
 @contextmanager
 def stack_home(config: str) -> Iterator[Path]:
-    """`yieldgate up -c config` for the run (benchmarks/run_all.py's `stack`), or the stack already
+    """`yieldgate up -c config` for the run (benchmarks/stack_up.py's `stack`), or the stack already
     up under $YIELDGATE_HOME when config is ""; yields its home (engine logs, KV-event sockets)."""
     if not config:
         from yieldgate.serving.paths import home_dir
 
         yield home_dir()
         return
-    from run_all import stack
+    from stack_up import stack  # benchmarks/stack_up.py
 
     with stack(config) as home:
         yield home

@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "lora_load.json"))
     args = ap.parse_args()
-    from lora_engine import demo_engine
+    from stacks import demo_engine  # benchmarks/stacks.py
     from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.peft import random_adapter
 

@@ -12,7 +12,7 @@ once, so what is measured is the path in front of it. Added latency is a mode's 
 minus the direct one: unary requests at an open-loop Poisson rate, and 32-token streams (each
 token its own chunk, so each one crosses the picker) at a fixed concurrency. Direct, gateway and
 picker run in turn for several rounds and the median of the per-round differences is reported (a
-shared machine's load drifts). Machinery (processes, load worker) is benchmarks/gateway_overhead.py's.
+shared machine's load drifts). Machinery (processes, load worker) is benchmarks/proxy_rig.py's.
 
 Result: benchmarks/results/picker_overhead.json.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gateway_overhead as go  # noqa: E402
+import proxy_rig as go  # noqa: E402  benchmarks/proxy_rig.py
 import harness  # noqa: E402  benchmarks/harness.py
 
 ROOT = go.ROOT
@@ -177,7 +177,7 @@ def main() -> None:
     result = {
         "meta": harness.meta(
             ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/picker_overhead.py",
-             "benchmarks/gateway_overhead.py", "benchmarks/fake_upstream.py"],
+             "benchmarks/proxy_rig.py", "benchmarks/fake_upstream.py"],
             load_before=rounds[0]["direct"]["loadavg_1min"][0] if rounds else None,
             mode=mode_name, envoy=envoy_version, platform=platform.platform(),
             load_avg_1m_per_phase=[r[m]["loadavg_1min"] for r in rounds for m in ("direct", "gateway", "picker")],

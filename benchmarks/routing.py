@@ -13,7 +13,7 @@ replicas (second one without KV events): that is the calibration (predicted vs m
 tokens). The oracle for a real run is the simulator's oracle on the same salted workload (the real
 assistant answers of agent turns differ in words, not in length).
 A policy `ROUTER:POLICY` (vllm-router:cache_aware, smg:cache_aware) puts that Rust router, the pinned
-version gateway_overhead.py installs in a venv of its own, in front of the same two engines in place
+version proxy_rig.py installs in a venv of its own, in front of the same two engines in place
 of a gateway, in the same interleaved rounds; it has no simulated twin (round robin's gives its oracle).
 (b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
 
@@ -107,14 +107,14 @@ def is_peer(policy: str) -> bool:
 
 
 def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
-    """A Rust router in front of the engines: the pinned version from gateway_overhead.py, in its
+    """A Rust router in front of the engines: the pinned version from proxy_rig.py, in its
     own venv, on loopback; it does not say which engine served a request, so the benchmark counts
     each engine's finished requests around every phase instead."""
-    import gateway_overhead  # benchmarks/, next to this script: the Rust routers' pinned venvs
+    import proxy_rig  # benchmarks/proxy_rig.py: the Rust routers' pinned venvs
 
     router, _, name = policy.partition(":")
     try:
-        return gateway_overhead.RustRouter(router, [url for url, _ in engines], workdir, policy=name, pin=False)
+        return proxy_rig.RustRouter(router, [url for url, _ in engines], workdir, policy=name, pin=False)
     except RuntimeError as exc:
         raise SystemExit(f"{policy} did not start: {exc}") from None
 
@@ -122,10 +122,10 @@ def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
 def router_cpu_s(gw: Any) -> float:
     """CPU seconds the router's processes have used so far (a gateway's or a Rust router's): on two
     cores it is taken from the engines, so it shows up in their TTFTs."""
-    import gateway_overhead
+    import proxy_rig
 
-    pids = gw.pids if isinstance(gw, gateway_overhead.RustRouter) else gateway_overhead.descendants(gw.process.pid)
-    return gateway_overhead.cpu_seconds(pids)
+    pids = gw.pids if isinstance(gw, proxy_rig.RustRouter) else proxy_rig.descendants(gw.process.pid)
+    return proxy_rig.cpu_seconds(pids)
 
 
 def engine_requests(url: str) -> float:
@@ -145,12 +145,12 @@ def own_redis(workdir: Path) -> Iterator[str]:
     """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
     prefix-index channel, and each applies the others' writes, work a lone gateway does not do
     (and that the CPU per request would count)."""
-    import gateway_overhead
+    import proxy_rig
 
     sys.path.insert(0, str(ROOT / "tests"))
     from multihost import RedisServer  # tests/multihost.py, as benchmarks/multihost.py uses it
 
-    port = gateway_overhead.free_port()
+    port = proxy_rig.free_port()
     server = RedisServer(workdir / f"redis-{port}", "127.0.0.1", port)
     server.start()
     try:
@@ -453,7 +453,7 @@ def up_stack(config: str) -> Iterator[list[str]]:
     if not config:
         yield []
         return
-    from run_all import stack  # benchmarks/run_all.py, next to this script
+    from stack_up import stack  # benchmarks/stack_up.py, next to this script
 
     with stack(config) as home:
         yield [f"ipc://{home}/run/kv-events-standard-{i}.sock" for i in range(2)]
