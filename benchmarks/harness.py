@@ -211,6 +211,12 @@ class Freshness:
         return f"{at}, current"
 
 
+def in_history(commit: str, head: str = "HEAD", repo: Path = ROOT) -> bool:
+    """Whether `commit` is HEAD or one of its ancestors: a result measured on an amended or unmerged
+    commit names code nobody else can check out."""
+    return git("merge-base", "--is-ancestor", commit, head, repo=repo).returncode == 0
+
+
 def freshness(meta: dict[str, Any], head: str = "HEAD", repo: Path = ROOT) -> Freshness:
     commit_recorded = meta["commit"] != NOT_RECORDED
     commit = meta["commit"] if commit_recorded else meta.get("recorded_in", NOT_RECORDED)

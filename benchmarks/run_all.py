@@ -641,7 +641,11 @@ def check(readme: Path = ROOT / "README.md") -> list[str]:
         for name in b.files:
             path = RESULTS / f"{name}.json"
             if path.is_file():
-                problems += [f"{name}.json: {p}" for p in harness.meta_problems(load(name).get("meta", {}))]
+                meta = load(name).get("meta", {})
+                problems += [f"{name}.json: {p}" for p in harness.meta_problems(meta)]
+                for key in ("commit", "recorded_in"):
+                    if meta.get(key, harness.NOT_RECORDED) != harness.NOT_RECORDED and not harness.in_history(meta[key]):
+                        problems.append(f"{name}.json: {key} {meta[key][:7]} is not in HEAD's history")
     try:
         shown = readme_table(readme)
     except ValueError:

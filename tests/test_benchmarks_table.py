@@ -78,6 +78,7 @@ def test_a_result_goes_stale_when_its_measured_code_changes(tmp_path):
     fresh = harness.freshness(meta, repo=repo)
     assert not fresh.current and fresh.changed == ["gateway/"]
     assert "**stale**: gateway/ changed since" in fresh.describe()
+    assert harness.in_history(measured_at, repo=repo) and not harness.in_history("0" * 40, repo=repo)
     # A result whose measured commit was not recorded is never shown as current.
     assert not harness.freshness({**meta, "commit": "not recorded", "recorded_in": measured_at}, repo=repo).current
     assert not harness.freshness({**meta, "commit": "0" * 40}, repo=repo).current
