@@ -31,17 +31,15 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 from safetensors.torch import load_file
 
-from rollout import load_process, model_dir, own_stack, perturbed, read_records, spread, wait_for_traffic
+import harness  # benchmarks/harness.py, beside this script
+from stacks import load_process, model_dir, own_stack, perturbed, read_records, spread, wait_for_traffic
 from yieldgate.serving.peft import random_adapter
 from yieldgate.trainer_bridge import EngineClient, push, push_adapter
 
@@ -243,13 +241,9 @@ def main() -> None:
     with own_stack(args.port, model_dir(False)) as (gateway, token):
         measured = measure(args, gateway, token)
     rounds = measured["rounds"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {
-        "meta": {"commit": commit, "commit_note": "the commit that recorded this result",
-                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cores": os.cpu_count(), "gpu": None,
-                             "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}},
-                 "command": "flock /tmp/yg-heavy.lock python benchmarks/adapter_push.py " + " ".join(sys.argv[1:])},
+        "meta": harness.meta(["gateway/", "cache/", "serving/", "pricing/", "trainer_bridge/", "loadtest/", "benchmarks/adapter_push.py",
+                              "benchmarks/stacks.py"], load_before=load_start),
         "adapter": f"{ADAPTER}: seeded random rank-8 LoRA of the demo model's attention (serving.peft.random_adapter)",
         "full_weights": "perturbed copies of the demo model, pushed through the gateway (trainer_bridge.push)",
         "dtype": measured["dtype"],

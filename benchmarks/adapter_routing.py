@@ -61,8 +61,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from routing import (DEMO_ENGINE, WORDS_PER_TOKEN, clear_bench_index, result_meta,  # noqa: E402
+from fleet_rig import (DEMO_ENGINE, WORDS_PER_TOKEN, clear_bench_index, result_meta,  # noqa: E402
                      two_replica_config)
+
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/adapter_routing.py",
+            "benchmarks/fleet_rig.py"]
 
 from yieldgate.cache import PipelineSpec, WeightedScorer, register_preset  # noqa: E402
 from yieldgate.cache.policies import ADAPTER_AFFINITY_WEIGHT  # noqa: E402
@@ -459,14 +462,14 @@ def plot_real(summary: list[dict], twin: list[dict], path: Path) -> None:
 
 @contextmanager
 def stack_home(config: str) -> Iterator[Path]:
-    """`yieldgate up -c config` for the run (benchmarks/run_all.py's `stack`), or the stack already
+    """`yieldgate up -c config` for the run (benchmarks/stack_up.py's `stack`), or the stack already
     up under $YIELDGATE_HOME when config is ""; yields its home (engine logs, KV-event sockets)."""
     if not config:
         from yieldgate.serving.paths import home_dir
 
         yield home_dir()
         return
-    from run_all import stack
+    from stack_up import stack  # benchmarks/stack_up.py
 
     with stack(config) as home:
         yield home
@@ -510,7 +513,7 @@ def main_real(args: argparse.Namespace, argv: list[str]) -> None:
     load = (f"2 real demo engines ({args.up or 'already up'}) x 8 adapters (4 tenants) x 2 slots, placement "
             f"replicas {setup.placement_replicas}, closed-loop concurrency {setup.concurrency}, "
             f"{setup.warmup} warm-up + {setup.requests} measured requests per policy and round, {setup.rounds} rounds")
-    doc = {"meta": result_meta("python benchmarks/adapter_routing.py " + " ".join(argv), load),
+    doc = {"meta": result_meta("python benchmarks/adapter_routing.py " + " ".join(argv), load, MEASURES),
            "setup": msgspec.to_builtins(setup), "regime": msgspec.to_builtins(demo_regime(setup.requests)),
            "counted_from": "engine logs: vLLM's 'Loaded new LoRA adapter' / 'Removed LoRA adapter' lines "
                            "during the measured requests",
@@ -567,7 +570,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{r.max_loras} slots, {r.requests} requests per run, "
                      f"{'closed-loop concurrency' if r.arrival == 'concurrency' else 'Poisson sessions/s'} "
                      f"{','.join(f'{x:g}' for x in r.loads)}" for r in regs) + f"; seeds {seeds}"
-    doc = {"meta": result_meta("python benchmarks/adapter_routing.py " + " ".join(argv), load),
+    doc = {"meta": result_meta("python benchmarks/adapter_routing.py " + " ".join(argv), load, MEASURES),
            "preset_weight": ADAPTER_AFFINITY_WEIGHT,
            "regimes": [msgspec.to_builtins(r) for r in regs], "summary": summary, "runs": rows}
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -30,7 +30,6 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from routing import (REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, bootstrap_p90_diff,  # noqa: E402
+import harness  # noqa: E402  benchmarks/harness.py
+from fleet_rig import (REDIS_URL, WORDS_PER_TOKEN, _reset_prefix_cache, bootstrap_p90_diff,  # noqa: E402
                      clear_bench_index, two_replica_config)
 
 from yieldgate.cache.blocks import BlockHashConfig, BlockHasher  # noqa: E402
@@ -202,7 +202,6 @@ def main() -> None:
     tokenizer = demo_tokenizer(model_path)
     workdir = Path(tempfile.mkdtemp(prefix="yg-agent-routing-"))
     load_start = os.getloadavg()[0]
-    started = time.time()
     runs = []
     loads = [int(c) for c in args.concurrency.split(",")]
     for rnd in range(args.rounds):
@@ -224,19 +223,15 @@ def main() -> None:
                     gw.stop()
                     clear_bench_index(args.redis_url)
     summary = pooled(runs, len(engines))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     doc = {
-        "meta": {
-            "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
-                        "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-            "load": f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per load, wire "
-                    f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), "
-                    "prefix caches reset before each run",
-            "command": "python benchmarks/agent_routing.py " + " ".join(sys.argv[1:]),
-            "workload": workload(args.seed).describe(),
-            "oracle": "cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)",
-        },
+        "meta": harness.meta(
+            ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/agent_routing.py",
+             "benchmarks/fleet_rig.py"],
+            setup=f"closed loop, {args.concurrency} concurrent sessions, {args.requests} requests per load, wire "
+                  f"format, policy and round, {args.rounds} rounds; two demo engines (examples/routing-fleet.toml), "
+                  "prefix caches reset before each run",
+            load_before=load_start, workload=workload(args.seed).describe(), platform=platform.platform(),
+            oracle="cache.simulator.PrefixOracle over the sent conversations (send order, chat rendering)"),
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in runs],
     }

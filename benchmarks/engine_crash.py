@@ -4,12 +4,15 @@
 
 `yieldgate up` serves the demo fleet (one standard, one fast engine) on a checkpoint version, so a
 restarted engine must get its weights back. Four clients per tier send short greedy completions
-throughout. For each tier in turn, its engine's API server is SIGKILLed (as an OOM kill would;
-its EngineCore is orphaned and the supervisor must kill it too). Reported per crash: requests
-sent while it was out, how many failed, how many the other tier served (and whether they were
-labelled so), time from the kill to the engine answering health again (supervisor restart +
-vLLM start-up) and to its re-admission (plus the gateway's weight restore). Writes
-benchmarks/results/engine_crash.json and .png (completions per second by serving tier).
+throughout, unary and streamed (`--streams` of the clients stream). For each tier in turn, its
+engine's API server is SIGKILLed (as an OOM kill would; its EngineCore is orphaned and the
+supervisor must kill it too). Reported per crash: requests sent while it was out, how many failed
+(streams cut with an error event counted apart), how many the other tier served (and whether they
+were labelled so), the gateway's own re-sends to another replica (yieldgate_upstream_retries_total:
+failures it avoided, counted, never merged into the request), time from the kill to the engine
+answering health again (supervisor restart + vLLM start-up) and to its re-admission (plus the
+gateway's weight restore). `--runs` (default 3) times on a fresh stack, every run kept:
+benchmarks/results/engine_crash.json (benchmarks/harness.py's format) and .png (the last run).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +31,8 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from rollout import own_stack  # benchmarks/rollout.py: `yieldgate up` on private ports
+import harness  # benchmarks/harness.py, beside this script
+from stacks import own_stack  # benchmarks/stacks.py: `yieldgate up` on private ports
 from yieldgate.serving.demo_model import ensure_demo_model
 from yieldgate.trainer_bridge import write_checkpoint
 
@@ -42,27 +45,31 @@ VERSION = "crash-bench-1"
 class Clients:
     """`n` threads per tier sending completions until stopped; every outcome recorded."""
 
-    def __init__(self, gateway: str, n: int) -> None:
+    def __init__(self, gateway: str, n: int, streams: int = 0) -> None:
         self.gateway = gateway
         self.records: list[dict] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(tier,), daemon=True)
-                        for tier in MODEL for _ in range(n)]
+        self.threads = [threading.Thread(target=self._run, args=(tier, i < streams), daemon=True)
+                        for tier in MODEL for i in range(n)]
 
-    def _run(self, tier: str) -> None:
+    def _run(self, tier: str, stream: bool) -> None:
         with httpx.Client(timeout=120) as client:
             for i in range(100_000):  # bounded; stopped long before
                 if self.stop.is_set():
                     return
-                rec = {"tier": tier, "start": time.time()}
+                rec = {"tier": tier, "start": time.time(), "stream": stream}
+                body = {"model": MODEL[tier], "prompt": f"Request {i % 50}: once upon a time",
+                        "max_tokens": 8, "temperature": 0, "stream": stream}
                 try:
-                    resp = client.post(self.gateway + "/v1/completions", json={
-                        "model": MODEL[tier], "prompt": f"Request {i % 50}: once upon a time",
-                        "max_tokens": 8, "temperature": 0})
+                    with client.stream("POST", self.gateway + "/v1/completions", json=body) as resp:
+                        text = resp.read()
                     rec.update(status=resp.status_code, served=resp.headers.get("x-yieldgate-tier"),
                                requested=resp.headers.get("x-yieldgate-requested-tier"),
                                version=resp.headers.get("x-yieldgate-weight-version"))
+                    if stream and resp.status_code == 200 and b"data: [DONE]" not in text:
+                        rec["cut"] = True  # the stream ended with an error event instead of its end
+                        rec["status"] = "cut"
                 except httpx.HTTPError as exc:
                     rec.update(status=None, error=type(exc).__name__)
                 rec["end"] = time.time()
@@ -109,10 +116,11 @@ def summarize(records: list[dict], event: dict) -> dict:
     lo, hi = event["killed_at"], event["killed_at"] + event["admitted_s"]
     sent = [r for r in records if r["tier"] == tier and lo <= r["start"] < hi]
     in_flight = [r for r in records if r["tier"] == tier and r["start"] < lo < r["end"]]
-    failed = [r for r in sent + in_flight if r["status"] != 200]
+    failed = [r for r in sent + in_flight if r["status"] != 200 and not r.get("cut")]
+    cut = [r for r in sent + in_flight if r.get("cut")]
     by_other = [r for r in sent if r["status"] == 200 and r["served"] == other]
     return {**event, "requests_while_out": len(sent), "in_flight_at_kill": len(in_flight),
-            "failed": len(failed), "served_by_other_tier": len(by_other),
+            "failed": len(failed), "streams_cut": len(cut), "served_by_other_tier": len(by_other),
             "labelled_with_requested_tier": sum(r["requested"] == tier for r in by_other),
             "other_tier_requests_failed": sum(1 for r in records if r["tier"] == other and lo <= r["start"] < hi
                                               and r["status"] != 200)}
@@ -149,15 +157,17 @@ def plot(records: list[dict], events: list[dict], t0: float, path: Path) -> None
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, default=21600)
-    ap.add_argument("--clients", type=int, default=4, help="concurrent clients per tier")
-    ap.add_argument("--settle-s", type=float, default=20, help="load before and between the crashes")
-    ap.add_argument("--out", type=Path, default=RESULTS / "engine_crash.json")
-    args = ap.parse_args()
-    model_dir = ensure_demo_model()
-    load_start = os.getloadavg()[0]
+def gateway_retries(gateway: str) -> float:
+    """The gateway's re-sends to another replica so far (every tier)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "yieldgate_upstream_retries"
+               for s in f.samples if s.name == "yieldgate_upstream_retries_total")
+
+
+def crash_run(args: argparse.Namespace, model_dir: Path) -> tuple[dict, list[dict], list[dict], float]:
+    """One stack, load on both tiers, each tier's engine killed in turn; (run, records, events, t0)."""
     with own_stack(args.port, model_dir) as (gateway, token), \
             httpx.Client(base_url=gateway, timeout=300, headers={"Authorization": f"Bearer {token}"}) as admin:
         base = load_file(str(model_dir / "model.safetensors"))
@@ -167,7 +177,8 @@ def main() -> None:
         state = admin.post("/admin/weights", json={"version": VERSION, "source": {"checkpoint": str(ckpt)},
                                                    "wait": True}).json()["rollout"]
         assert state["state"] == "succeeded", state
-        clients = Clients(gateway, args.clients)
+        retries_before = gateway_retries(gateway)
+        clients = Clients(gateway, args.clients, args.streams)
         t0 = time.time()
         clients.start()
         events = []
@@ -176,21 +187,39 @@ def main() -> None:
             events.append(crash(admin, tier))
         time.sleep(args.settle_s)
         records = clients.finish()
-    crashes = [summarize(records, e) for e in events]
-    result = {
-        "meta": {"commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=Path(__file__).parent).stdout.strip(),
-                 "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                 "machine": {"cores": os.cpu_count(), "gpu": None,
-                             "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-                 "load": f"{args.clients} clients per tier, greedy completions of 8 tokens",
-                 "command": "python benchmarks/engine_crash.py"},
-        "requests": len(records), "failed": sum(r["status"] != 200 for r in records),
-        "crashes": crashes,
-    }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+        resent = gateway_retries(gateway) - retries_before
+    run = {"requests": len(records), "streams": sum(r["stream"] for r in records),
+           "failed": sum(r["status"] != 200 and not r.get("cut") for r in records),
+           "streams_cut": sum(bool(r.get("cut")) for r in records),
+           "gateway_resent": int(resent), "crashes": [summarize(records, e) for e in events]}
+    return run, records, events, t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=21600)
+    ap.add_argument("--clients", type=int, default=4, help="concurrent clients per tier")
+    ap.add_argument("--streams", type=int, default=2, help="of which this many stream")
+    ap.add_argument("--settle-s", type=float, default=20, help="load before and between the crashes")
+    ap.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "engine_crash.json")
+    args = ap.parse_args()
+    model_dir = ensure_demo_model()
+    rec = harness.Recording("engine_crash", MEASURES, out=args.out)
+    runs = []
+    for i in range(args.runs):
+        run, records, events, t0 = crash_run(args, model_dir)
+        runs.append({"round": i, **run})
+        print(json.dumps(run, indent=1))
     plot(records, events, t0, args.out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in result.items() if k != "meta"}, indent=1))
+    rec.write(runs=runs, summary={
+        k: harness.summarize(r[k] for r in runs) for k in ("requests", "failed", "streams_cut", "gateway_resent")}
+        | {f"admitted_s_{tier}": harness.summarize(c["admitted_s"] for r in runs for c in r["crashes"] if c["tier"] == tier)
+           for tier in MODEL},
+        setup=f"{args.clients} clients per tier ({args.streams} streaming), greedy completions of 8 tokens")
+
+
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "trainer_bridge/", "benchmarks/engine_crash.py"]
 
 
 if __name__ == "__main__":

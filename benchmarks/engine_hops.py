@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from rollout import model_dir, own_stack
+import harness  # benchmarks/harness.py, beside this script
+from stacks import model_dir, own_stack
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -93,7 +94,8 @@ def main() -> None:
                   f"p90 {row['core_hop']['p90_ms']:.1f} max {row['core_hop']['max_ms']:.0f} ms", flush=True)
     out = Path(args.out) if args.out else RESULTS / "engine_hops"
     out.with_suffix(".json").write_text(json.dumps(
-        {"phases": results, "cpus": os.cpu_count(), "samples": args.samples,
+        {"meta": harness.meta(["serving/", "benchmarks/engine_hops.py", "benchmarks/stacks.py"]),
+         "phases": results, "cpus": os.cpu_count(), "samples": args.samples,
          "engines": {"A": "standard-0 (the one measured)", "B": "fast-0 (ngram speculative decoding)"}},
         indent=2))
     print(f"[hops] wrote {out.with_suffix('.json')}")

@@ -14,7 +14,6 @@ Settings alternate within each round. Writes benchmarks/results/engine_polling.{
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -28,7 +27,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora_engine import RESULTS, decode_rate, demo_engine  # noqa: E402
+import harness  # noqa: E402  benchmarks/harness.py
+from stacks import decode_rate, demo_engine  # noqa: E402  benchmarks/stacks.py
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 SETTINGS = {"vllm_yield_loop": 0.0, "pause_50us": 50.0}
 STREAM_TOKENS = 2000
@@ -111,14 +113,9 @@ def main() -> None:
         mine = [r for r in rows if r["setting"] == name]
         summary[name] = {k: statistics.median(r[k] for r in mine)
                          for k in ("tok_s_c1", "tok_s_c3", "max_ms", "p50_ms", "streams_s")}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    out = {"meta": {"commit": commit, "date": now,
-                    "machine": {"cores": os.cpu_count(), "gpu": None},
-                    "command": "python benchmarks/engine_polling.py " + " ".join(sys.argv[1:]),
-                    "load": "the demo engine; 1 and 3 concurrent 128-token requests; 3 streams of "
-                            "2,000 tokens through a gateway for the probe"},
+    out = {"meta": harness.meta(["serving/", "gateway/", "benchmarks/engine_polling.py", "benchmarks/stacks.py"],
+                                setup="the demo engine; 1 and 3 concurrent 128-token requests; 3 streams of "
+                                      "2,000 tokens through a gateway for the probe"),
            "rows": rows, "median": summary,
            "decode_ratio_c1": summary["pause_50us"]["tok_s_c1"] / summary["vllm_yield_loop"]["tok_s_c1"],
            "decode_ratio_c3": summary["pause_50us"]["tok_s_c3"] / summary["vllm_yield_loop"]["tok_s_c3"]}

@@ -10,20 +10,22 @@ sessions (sampled). Same seeded requests for both tiers, interleaved, fixed outp
 
 With --gateway, the tiers are reached through the gateway as models "demo" and "demo:fast": the
 tier as sold, its routing included (run_all.py runs it so, on examples/fast-tier.toml). Without,
-each engine is asked directly. Writes benchmarks/results/fast_vs_standard.json and .png.
+each engine is asked directly. A third target, the standard tier again under another name, runs
+interleaved with both: its ratio to the standard tier is the harness's own bias (1× but for it),
+reported beside every speedup and divided out of the corrected one. Every row says which replica
+served each target's requests (x-yieldgate-replica). `--runs` (default 3) whole comparisons, every
+one kept: benchmarks/results/fast_vs_standard.json (benchmarks/harness.py's format) and .png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
+from collections import Counter
 from pathlib import Path
 
-import msgspec
+import harness  # benchmarks/harness.py, beside this script
 
 from yieldgate.loadtest import (
     AgentSessionWorkload,
@@ -35,7 +37,6 @@ from yieldgate.loadtest import (
     run_compare,
 )
 
-RESULTS = Path(__file__).parent / "results"
 SPEC_TOKENS = 8  # num_speculative_tokens of the demo fast tier (serving/config.py)
 
 
@@ -83,13 +84,32 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--concurrency", default="1,4", help="comma-separated closed-loop concurrencies")
     ap.add_argument("--words-per-token", type=float, default=0.44)  # demo tokenizer, measured via /tokenize
+    ap.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS, help="whole comparisons, every one kept")
     a = ap.parse_args()
-    def targets(extra: dict) -> tuple[Target, Target]:
-        if a.gateway:
-            return (Target(base_url=a.gateway, model="demo", name="standard", ignore_eos=True, extra_body=extra),
-                    Target(base_url=a.gateway, model="demo:fast", name="fast", ignore_eos=True, extra_body=extra))
-        return (Target(base_url=a.standard, model="demo", name="standard", ignore_eos=True, extra_body=extra),
-                Target(base_url=a.fast, model="demo", name="fast", ignore_eos=True, extra_body=extra))
+    rec = harness.Recording("fast_vs_standard", MEASURES)
+    runs = [{"round": i, **compare(a)} for i in range(a.runs)]
+    names = list(runs[0]["workloads"])
+    summary = {name: {key: harness.summarize(r["workloads"][name].get(key) for r in runs)
+                      for key in ("speedup_e2e_output_tps_p50", "control_e2e_output_tps_p50",
+                                  "speedup_e2e_output_tps_p50_corrected")}
+               | {"served_by": {t: dict(sum((Counter(r["workloads"][name]["served_by"][t]) for r in runs), Counter()))
+                                for t in runs[0]["workloads"][name]["served_by"]}}
+               for name in names}
+    rec.write(runs=runs, summary=summary, setup=runs[0]["setup"]["note"])
+    plot(runs[-1], harness.RESULTS / "fast_vs_standard.png")
+
+
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/fast_vs_standard.py"]
+
+
+def compare(a: argparse.Namespace) -> dict:
+    """One comparison: every workload class at every concurrency, standard / fast / standard again."""
+    def targets(extra: dict) -> tuple[Target, Target, Target]:
+        std_url, fast_url = (a.gateway, a.gateway) if a.gateway else (a.standard, a.fast)
+        fast_model = "demo:fast" if a.gateway else "demo"
+        return (Target(base_url=std_url, model="demo", name="standard", ignore_eos=True, extra_body=extra),
+                Target(base_url=fast_url, model=fast_model, name="fast", ignore_eos=True, extra_body=extra),
+                Target(base_url=std_url, model="demo", name="control", ignore_eos=True, extra_body=extra))
 
     code = CodeEditWorkload(functions=4, lines_per_function=5, words_per_token=a.words_per_token)
     # (workload, sampling): default sampling (temperature 1) and greedy, as code edits are usually run.
@@ -100,8 +120,7 @@ def main() -> None:
         "agent": (AgentSessionWorkload(output_tokens=128, words_per_token=a.words_per_token), {}),
     }
     concurrencies = [int(c) for c in str(a.concurrency).split(",")]
-    load_start = os.getloadavg()[0]
-    std, fast = targets({})
+    std, fast, _ = targets({})
     out: dict = {"setup": {"standard": std.base_url, "fast": fast.base_url, "requests": a.requests,
                            "concurrency": a.concurrency, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                            "note": "demo model has random weights: it does not really copy the code, so "
@@ -112,10 +131,10 @@ def main() -> None:
     for conc, (name, (wl, extra)) in ((c, w) for c in concurrencies for w in workloads.items()):
         if conc != concurrencies[0]:
             name = f"{name}@c{conc}"
-        std, fast = targets(extra)
+        std, fast, control = targets(extra)
         # Six short alternating phases per target: a busy neighbour on the shared cores then
-        # weighs on both tiers alike, not on whichever phase it happened to overlap.
-        results = run_compare([std, fast], wl, ConcurrencyLoad(concurrency=conc),
+        # weighs on every target alike, not on whichever phase it happened to overlap.
+        results = run_compare([std, fast, control], wl, ConcurrencyLoad(concurrency=conc),
                               Bounds(requests=a.requests, warmup_requests=1), order="interleaved",
                               rounds=6, cache_salt="auto",
                               engine_metrics_urls=[a.fast])
@@ -152,19 +171,19 @@ def main() -> None:
         per_request = {r.target: [x.e2e_output_tps for x in r.records
                                   if x.ok and not x.warmup and x.e2e_output_tps] for r in results}
         row["speedup_e2e_output_tps_ci90"] = ratio_ci90(per_request["fast"], per_request["standard"])
+        # The same engine against itself: what the harness alone makes of "1×".
+        row["control_e2e_output_tps_p50"] = _ratio(row["control"]["e2e_output_tps_per_request_p50"],
+                                                   row["standard"]["e2e_output_tps_per_request_p50"])
+        row["control_e2e_output_tps_ci90"] = ratio_ci90(per_request["control"], per_request["standard"])
+        row["speedup_e2e_output_tps_p50_corrected"] = _ratio(row["speedup_e2e_output_tps_p50"],
+                                                             row["control_e2e_output_tps_p50"])
+        row["served_by"] = {r.target: dict(Counter(x.replica or "unknown" for x in r.records if x.ok and not x.warmup))
+                            for r in results}
         row["tpot_ratio_p50"] = _ratio(row["fast"]["tpot_ms_p50"], row["standard"]["tpot_ms_p50"])
         row.update(needed_for_2x(row, SPEC_TOKENS))
         out["workloads"][name] = row
         print(name, json.dumps(row, indent=1), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    out["meta"] = {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "machine": {"cores": os.cpu_count(), "gpu": None,
-                               "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-                   "command": "python benchmarks/fast_vs_standard.py " + " ".join(sys.argv[1:])}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fast_vs_standard.json").write_bytes(msgspec.json.format(msgspec.json.encode(out), indent=2))
-    plot(out, RESULTS / "fast_vs_standard.png")
+    return out
 
 
 def plot(out: dict, path: Path) -> None:

@@ -9,7 +9,7 @@ A variant may also be a Rust router (`vllm-router`, `smg`, run as gateway_overhe
 A variant `NAME@LABEL` runs the gateway of another checkout (`--code LABEL=PATH`, e.g. a git worktree of
 the commit before a change), so two code versions are compared side by side in one run.
 
-The same fake upstream, load worker and core pinning as `gateway_overhead.py` (whose functions it
+The same fake upstream, load worker and core pinning as `gateway_overhead.py` (proxy_rig.py, whose functions it
 uses), but rounds of every variant and a direct run interleaved, so slow drift of this VM hits
 all of them alike. Inside the gateway and the load worker a small `sitecustomize` (written to a
 temp dir, put on PYTHONPATH for this run only) logs every collector pass over 2 ms and every gap
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gateway_overhead as go  # noqa: E402
+import proxy_rig as go  # noqa: E402  benchmarks/proxy_rig.py
 
 WARMUP_S = 8.0  # the warm-up phase (300 requests at concurrency 8) ends within this
 

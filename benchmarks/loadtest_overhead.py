@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import harness  # benchmarks/harness.py, beside this script
 from yieldgate.loadtest import Bounds, ConcurrencyLoad, PoissonLoad, RandomLengthWorkload, Target, run_load
 
 RESULTS = Path(__file__).parent / "results"
@@ -95,6 +96,7 @@ def main() -> None:
                     "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
                     "note": "client and upstream share 2 cores with other work"},
     }
+    out = {"meta": harness.meta(["loadtest/", "benchmarks/loadtest_overhead.py"]), **out}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "loadtest_overhead.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import harness  # benchmarks/harness.py, beside this script
 from yieldgate.loadtest import Bounds, ConcurrencyLoad, RandomLengthWorkload, Target, run_load
 
 RESULTS = Path(__file__).parent / "results"
@@ -117,6 +118,7 @@ def main() -> None:
         lt = statistics.median(r[k] for r in runs["loadtest"])
         table[k] = {"vllm_bench": round(v, 3), "loadtest": round(lt, 3), "ratio": round(lt / v, 3) if v else None}
     doc = {
+        "meta": harness.meta(["loadtest/", "benchmarks/loadtest_vs_vllm_bench.py"]),
         "setup": {"url": a.url, "num_prompts": a.num_prompts, "concurrency": a.concurrency,
                   "input_len": a.input_len, "output_len": a.output_len, "repeats": a.repeats,
                   "words_per_token": wpt, "api": "completions, streaming, ignore_eos",

@@ -13,74 +13,21 @@ Writes benchmarks/results/lora_engine.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
+import harness  # benchmarks/harness.py, beside this script
+
+from stacks import decode_rate, demo_engine  # benchmarks/stacks.py
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def decode_rate(url: str, model: str, concurrency: int, requests: int = 8) -> float:
-    """Output tokens per second per request (mean over requests), greedy, 128 tokens each."""
-    def one(i: int) -> float:
-        t = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", timeout=300, json={
-            "model": model, "prompt": f"Request {i}: once upon a time", "max_tokens": 128,
-            "temperature": 0, "ignore_eos": True})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"] / (time.perf_counter() - t)
-
-    one(-1)  # warm-up
-    with ThreadPoolExecutor(concurrency) as pool:
-        return statistics.mean(pool.map(one, range(requests)))
-
-
-@contextmanager
-def demo_engine(port: int, lora: bool, log_path: Path, poll_pause_us: float | None = None) -> Iterator[str]:
-    """The demo fleet's standard-0 engine as `yieldgate up` launches it (LoRA on or off; its ring-buffer
-    poll pause, serving/engine_polling.py, as configured unless given) on `port`, healthy; its URL.
-    Stopped (its whole process group) on the way out."""
-    import msgspec
-
-    from yieldgate.serving.config import FleetConfig, LoraConfig
-    from yieldgate.serving.demo_model import ensure_demo_model
-    from yieldgate.serving.launcher import answers_health, engine_command, engine_env
-
-    fleet = FleetConfig(demo_base_port=port)
-    replica = fleet.replicas[0]  # standard-0
-    if poll_pause_us is not None:
-        replica = msgspec.structs.replace(
-            replica, launch=msgspec.structs.replace(replica.launch, poll_pause_us=poll_pause_us))
-    spec = LoraConfig(enabled=lora)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(engine_command(str(ensure_demo_model()), "demo", fleet.block_size, replica, spec),
-                                env=engine_env(replica, spec), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        while not answers_health(replica.base_url, 1.0):
-            if proc.poll() is not None:
-                raise SystemExit(f"engine exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-            time.sleep(0.25)
-        yield replica.base_url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 def run_once(port: int, lora: bool, adapter: Path, home: Path) -> dict:
@@ -125,12 +72,8 @@ def main() -> None:
         "adapter_vs_base_decode_c1": round(mean("adapter_tok_s_c1", True) / mean("base_tok_s_c1", True), 3),
         "adapter_vs_base_decode_c4": round(mean("adapter_tok_s_c4", True) / mean("base_tok_s_c4", True), 3),
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "meta": {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cores": os.cpu_count(), "gpu": None},
-                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-                 "command": "flock /tmp/yg-heavy.lock python benchmarks/lora_engine.py " + " ".join(sys.argv[1:])},
+        "meta": harness.meta(["serving/", "benchmarks/lora_engine.py"]),
         "engine": "demo standard-0 as launched by `yieldgate up` (prefix caching, KV events, core 0)",
         "summary": summary, "runs": rows}, indent=2))
     print(json.dumps(summary, indent=2))

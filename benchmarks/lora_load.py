@@ -13,17 +13,16 @@ reference. Writes benchmarks/results/lora_load.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+import harness  # benchmarks/harness.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -68,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "lora_load.json"))
     args = ap.parse_args()
-    from lora_engine import demo_engine
+    from stacks import demo_engine  # benchmarks/stacks.py
     from yieldgate.serving.demo_model import ensure_demo_model
     from yieldgate.serving.peft import random_adapter
 
@@ -87,12 +86,8 @@ def main() -> None:
                for key in ("load_s", "unload_s", "first_request_s", "warm_request_s", "base_request_s")}
     summary["first_minus_warm_request_s_p50"] = round(statistics.median(
         [r["first_request_s"] - r["warm_request_s"] for r in rows]), 4)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "meta": {"commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cores": os.cpu_count(), "gpu": None},
-                 "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-                 "command": "flock /tmp/yg-heavy.lock python benchmarks/lora_load.py " + " ".join(sys.argv[1:])},
+        "meta": harness.meta(["serving/", "benchmarks/lora_load.py"]),
         "engine": "demo standard-0 as launched by `yieldgate up`, LoRA on (max_loras 2, max rank 8); "
                   "adapters: serving.peft.random_adapter rank 8 on the attention projections",
         "summary": summary, "runs": rows}, indent=2) + "\n")

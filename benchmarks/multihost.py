@@ -7,23 +7,24 @@ answer /readyz.
 
 The engines are running vLLM engines serving the demo model, each on its own address (e.g.
 `yieldgate up` with `fleet.demo_hosts = ["127.0.2.1", "127.0.2.2"]`). Prints each drill's
-timeline and writes benchmarks/results/multihost.json: requests, failures, time until a new
-engine takes requests, time for a removed one to leave, drain time of a SIGTERMed gateway.
+timeline and writes benchmarks/results/multihost.json (through benchmarks/harness.py, every run
+kept): requests, failures, connections refused and re-sent to the other gateway (failures the
+client's re-send avoided), time until a new engine takes requests, time for a removed one to leave,
+drain time of a SIGTERMed gateway.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+import harness  # noqa: E402  benchmarks/harness.py, beside this script
 
 from multihost import (Engine, Fleet, drill_engines, drill_redis, drill_sigkill, drill_sigterm,  # noqa: E402
                        failures, reconcile, until)
@@ -32,20 +33,14 @@ from yieldgate.serving.demo_model import ensure_demo_model  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", required=True, help="two engine URLs, comma-separated")
-    parser.add_argument("--port-base", type=int, default=int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")))
-    parser.add_argument("--out", default=str(RESULTS / "multihost.json"))
-    args = parser.parse_args()
-    engines = []
-    for url in args.engines.split(","):
-        address, port = url.removeprefix("http://").rsplit(":", 1)
-        engines.append(Engine(address, int(port)))
-    load_start = os.getloadavg()[0]
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "tests/multihost.py", "benchmarks/multihost.py"]
+
+
+def drills_once(engines: list[Engine], port_base: int) -> dict:
+    """The four drills on a fleet of their own; each drill's summary, reconciled with the ledger."""
+    drills = {}
     with tempfile.TemporaryDirectory(prefix="yg-multihost-") as work:
-        fleet = Fleet(Path(work), engines, "demo", ensure_demo_model(), args.port_base)
-        drills = {}
+        fleet = Fleet(Path(work), engines, "demo", ensure_demo_model(), port_base)
         try:
             fleet.start(engines)
             for i in range(2):
@@ -61,24 +56,36 @@ def main() -> None:
                 summary = drill.summary()
                 summary["reconciled"] = True
                 drills[name] = {k: v for k, v in summary.items() if not k.endswith("_at")}
-                print(f"\n== {name}: {summary['requests']} requests, {summary['failed']} failed")
+                print(f"\n== {name}: {summary['requests']} requests, {summary['failed']} failed, "
+                      f"{summary['refused_and_resent']} refused and re-sent")
                 for line in summary["timeline"]:
                     print("  " + line)
         finally:
             fleet.stop()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {
-        "meta": {"commit": commit, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                 "machine": {"cores": os.cpu_count(), "gpu": None,
-                             "load_avg_1m": {"start": load_start, "end": os.getloadavg()[0]}},
-                 "load": "4 clients, streamed chat completions of 64 tokens, spread over the ready gateways",
-                 "command": "python benchmarks/multihost.py --engines " + args.engines},
-        "drills": drills,
-        "totals": {"requests": sum(d["requests"] for d in drills.values()),
-                   "failed": sum(d["failed"] for d in drills.values())},
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    return drills
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", required=True, help="two engine URLs, comma-separated")
+    parser.add_argument("--port-base", type=int, default=int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000")))
+    parser.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS, help="the four drills, this many times")
+    parser.add_argument("--out", default=str(harness.RESULTS / "multihost.json"))
+    args = parser.parse_args()
+    engines = []
+    for url in args.engines.split(","):
+        address, port = url.removeprefix("http://").rsplit(":", 1)
+        engines.append(Engine(address, int(port)))
+    rec = harness.Recording("multihost", MEASURES, out=Path(args.out))
+    runs = [{"round": i, "drills": drills_once(engines, args.port_base)} for i in range(args.runs)]
+    totals = [{k: sum(d[k] for d in r["drills"].values()) for k in ("requests", "failed", "refused_and_resent")}
+              for r in runs]
+    summary = {k: harness.summarize(t[k] for t in totals) for k in totals[0]}
+    for drill, key in (("dns", "admit_s"), ("dns", "leave_s"), ("sigterm", "drain_s")):
+        summary[f"{drill}_{key}"] = harness.summarize(r["drills"][drill][key] for r in runs)
+    summary["sigkill_failed"] = harness.summarize(r["drills"]["sigkill"]["failed"] for r in runs)
+    rec.write(runs=runs, summary=summary,
+              setup="4 clients, streamed chat completions of 64 tokens, spread over the ready gateways")
 
 
 if __name__ == "__main__":

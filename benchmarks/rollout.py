@@ -24,7 +24,9 @@ load hits raw pushes and rollouts alike (`--no-interleave`: `--direct-pushes` be
 and as many after them). The ratio is
 median(time to 100% new) / median(raw transfer), per mode; both come with their interquartile
 range (this machine's run-to-run noise is large: read the ratio with them). The fleet is rolled
-back to the version it served before. Writes benchmarks/results/rollout[-big].json and .png.
+back to the version it served before. `--runs` (default 3) whole measurements, each on a fresh
+stack with --up, every one kept: benchmarks/results/rollout[-big].json (benchmarks/harness.py's
+format; the table shows their median and range) and .png (the last run).
 """
 
 from __future__ import annotations
@@ -32,129 +34,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import torch
 from safetensors.torch import load_file
 
-from yieldgate.gateway.embedded import stop_process_group
-from yieldgate.serving.demo_model import DemoModelSpec, ensure_demo_model
+import harness  # benchmarks/harness.py, beside this script
+from stacks import load_process, model_dir, own_stack, perturbed, read_records, spread, wait_for_traffic
 from yieldgate.trainer_bridge import EngineClient, push
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@contextmanager
-def own_stack(port: int, model_dir: Path):
-    """`yieldgate up` on a private home and ports (gateway `port`, engines port+101, +102)."""
-    home = Path(tempfile.mkdtemp(prefix="yg-rollout-"))
-    token = "bench-admin-" + secrets.token_hex(8)
-    config = home / "yieldgate.toml"
-    config.write_text(f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-admin_token = "{token}"
-redis_url = "redis://127.0.0.1:6379/{os.environ.get('YIELDGATE_TEST_REDIS_DB', '15')}"
-
-[fleet]
-model = "demo"
-block_size = 32
-demo_base_port = {port + 101}
-""")
-    env = dict(os.environ, YIELDGATE_HOME=str(home), PYTHONUNBUFFERED="1",
-               YIELDGATE_FLEET__MODEL_PATH=str(model_dir))
-    log = open(home / "up.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "yieldgate.gateway.cli", "up", "--config", str(config)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"yieldgate up exited:\n{(home / 'up.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("stack not healthy after 900 s")
-            time.sleep(2)
-        yield url, token
-    finally:
-        stop_process_group(proc)
-        log.close()
-
-
-def model_dir(big: bool) -> Path:
-    if not big:
-        return ensure_demo_model()
-    return ensure_demo_model(spec=DemoModelSpec(hidden_size=384, intermediate_size=1024, num_layers=4,
-                                                num_heads=6, num_kv_heads=2))
-
-
-def perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
-
-
-@contextmanager
-def load_process(gateway: str, concurrency: int, out: Path, model: str = "demo", chunk_s: float = 10.0):
-    """benchmarks/rollout_load.py in its own process, on `model` (the base model or an adapter),
-    from here until the block ends (then it finishes its current load slice, at most `chunk_s`,
-    and exits); its records are in `out` afterwards."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rollout_load.py")),
-                             "--gateway", gateway, "--out", str(out), "--concurrency", str(concurrency),
-                             "--model", model, "--chunk-s", str(chunk_s)],
-                            cwd=ROOT, env=env, stdin=subprocess.PIPE)
-    try:
-        yield proc
-    finally:
-        proc.stdin.close()  # "stop"
-        try:
-            proc.wait(200)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def wait_for_traffic(path: Path, timeout_s: float = 120.0) -> None:
-    """Until the load process has answers from both the load and the probes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            load, probes = read_records(path)
-            if load and probes:
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"the load process recorded no traffic in {timeout_s:.0f} s ({path})")
-
-
-def read_records(path: Path) -> tuple[list[dict], list[dict]]:
-    """-> (load records, probe records) written by the load process."""
-    # A line still being written when read mid-run is skipped (it has no newline yet).
-    rows = [json.loads(line) for line in path.read_text().split("\n")[:-1] if line.strip()]
-    return [r for r in rows if r["kind"] == "load"], [r for r in rows if r["kind"] == "probe"]
-
-
-def spread(values: list[float]) -> dict:
-    """Median and interquartile range (quartiles by the inclusive method)."""
-    if len(values) < 2:
-        v = values[0] if values else None
-        return {"median": v, "q1": v, "q3": v, "iqr": 0.0 if values else None, "n": len(values)}
-    q1, med, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return {"median": med, "q1": q1, "q3": q3, "iqr": q3 - q1, "n": len(values)}
 
 
 def steps(timeline: list[dict], start: float) -> dict[str, float]:
@@ -195,21 +88,41 @@ def main() -> None:
                     help="comma-separated; each rollout round pushes once per mode, interleaved")
     ap.add_argument("--big", action="store_true",
                     help="with --up: a 28 MB generated model (4 layers, 384 hidden) instead of the 1.1 MB demo")
+    ap.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS,
+                    help="whole measurements (each --rollouts rounds), every one kept in the result")
     ap.add_argument("--out", default=None, help="default benchmarks/results/rollout[-big]")
     args = ap.parse_args()
     args.out = args.out or str(RESULTS / ("rollout-big" if args.big else "rollout"))
     if args.direct_pushes is None:
         args.direct_pushes = args.rollouts
-    if args.up:
-        with own_stack(args.port, model_dir(args.big)) as (gateway, token):
-            measure(args, gateway, token)
-    else:
-        if not args.admin_token:
-            ap.error("--admin-token is required without --up")
-        measure(args, args.gateway, args.admin_token)
+    if not args.up and not args.admin_token:
+        ap.error("--admin-token is required without --up")
+    out = Path(args.out)
+    rec = harness.Recording(out.name, MEASURES, out=out.with_suffix(".json"))
+    runs = []
+    version = args.version
+    for i in range(args.runs):
+        args.version = f"{version}{i}"
+        if args.up:
+            with own_stack(args.port, model_dir(args.big)) as (gateway, token):
+                runs.append(measure(args, gateway, token))
+        else:
+            runs.append(measure(args, args.gateway, args.admin_token))
+    modes = list(runs[0]["modes"])
+    rec.write(runs=runs, summary={
+        **{f"{m}_to_raw_transfer": harness.summarize(r["modes"][m]["time_to_100pct_new_s"] / r["raw_transfer_seconds"]
+                                                       for r in runs) for m in modes},
+        "failed": sum(r["failed_load"] + r["failed_probe"] for r in runs),
+        "requests": sum(r["requests_load"] for r in runs)})
+    plot(runs[-1], out.with_suffix(".png"))
 
 
-def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
+MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "trainer_bridge/", "loadtest/", "benchmarks/rollout.py",
+            "benchmarks/rollout_load.py"]
+
+
+def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> dict:
+    """One measurement: --rollouts rounds of every mode between direct pushes; its summary."""
     gw = gateway.rstrip("/")
     load_start = os.getloadavg()[0]
     admin = httpx.Client(base_url=gw, timeout=300, headers={"Authorization": f"Bearer {admin_token}"})
@@ -380,15 +293,12 @@ def measure(args: argparse.Namespace, gateway: str, admin_token: str) -> None:
     }
     rb = admin.post("/admin/weights/rollback", json={"to_version": old})
     summary["rollback_status"] = rb.status_code
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
-    plot(summary, out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in summary.items() if k not in ("rollouts", "probes")}, indent=2))
     for r in per_rollout:
         print(r["version_to"], r["mode"], f"{r['time_to_100pct_new_s']:.3f}s")
         for e in r["timeline_from_push_start_s"]:
             print("   ", e)
+    return summary
 
 
 def plot(summary: dict, path: Path) -> None:

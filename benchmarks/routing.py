@@ -13,7 +13,7 @@ replicas (second one without KV events): that is the calibration (predicted vs m
 tokens). The oracle for a real run is the simulator's oracle on the same salted workload (the real
 assistant answers of agent turns differ in words, not in length).
 A policy `ROUTER:POLICY` (vllm-router:cache_aware, smg:cache_aware) puts that Rust router, the pinned
-version gateway_overhead.py installs in a venv of its own, in front of the same two engines in place
+version proxy_rig.py installs in a venv of its own, in front of the same two engines in place
 of a gateway, in the same interleaved rounds; it has no simulated twin (round robin's gives its oracle).
 (b) simulated: 64 replicas, hundreds of tenants + agent sessions, Poisson rate sweep.
 
@@ -73,6 +73,7 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # fleet_rig.py, harness.py (also when loaded by a test)
 
 from yieldgate.cache.routing import RouterConfig  # noqa: E402
 from yieldgate.serving.config import kv_events_ipc  # noqa: E402
@@ -85,13 +86,9 @@ from yieldgate.loadtest.stats import percentile  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["round_robin", "least_loaded", "session", "cache_aware"]
-# Demo model: byte-level BPE with 1,024 tokens needs ~0.42 words per token (OpenAI's 0.75 is for
-# big vocabularies), so "600 tokens" in the workload means about 600 demo-model tokens.
-WORDS_PER_TOKEN = 0.42
-# The CPU demo engines, roughly (prefill ~0.4 ms/token under the shared 2-core machine's load).
-DEMO_ENGINE = EngineModel(prefill_s_per_token=4e-4, step_s=0.02, decode_s_per_seq=0.004, max_running=64,
-                          max_batched_tokens=2048, kv_capacity_blocks=65536)
-
+from fleet_rig import (DEMO_ENGINE, MEASURES, REDIS_URL, REPLICA_PREFIX, WORDS_PER_TOKEN,  # noqa: E402,F401
+                       _reset_prefix_cache, bootstrap_p90_diff, clear_bench_index, parse_policy, result_meta,
+                       two_replica_config)
 
 # -- real fleet -----------------------------------------------------------------------------------
 
@@ -110,14 +107,14 @@ def is_peer(policy: str) -> bool:
 
 
 def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
-    """A Rust router in front of the engines: the pinned version from gateway_overhead.py, in its
+    """A Rust router in front of the engines: the pinned version from proxy_rig.py, in its
     own venv, on loopback; it does not say which engine served a request, so the benchmark counts
     each engine's finished requests around every phase instead."""
-    import gateway_overhead  # benchmarks/, next to this script: the Rust routers' pinned venvs
+    import proxy_rig  # benchmarks/proxy_rig.py: the Rust routers' pinned venvs
 
     router, _, name = policy.partition(":")
     try:
-        return gateway_overhead.RustRouter(router, [url for url, _ in engines], workdir, policy=name, pin=False)
+        return proxy_rig.RustRouter(router, [url for url, _ in engines], workdir, policy=name, pin=False)
     except RuntimeError as exc:
         raise SystemExit(f"{policy} did not start: {exc}") from None
 
@@ -125,10 +122,10 @@ def peer_router(policy: str, engines: list[tuple[str, str]], workdir: Path):
 def router_cpu_s(gw: Any) -> float:
     """CPU seconds the router's processes have used so far (a gateway's or a Rust router's): on two
     cores it is taken from the engines, so it shows up in their TTFTs."""
-    import gateway_overhead
+    import proxy_rig
 
-    pids = gw.pids if isinstance(gw, gateway_overhead.RustRouter) else gateway_overhead.descendants(gw.process.pid)
-    return gateway_overhead.cpu_seconds(pids)
+    pids = gw.pids if isinstance(gw, proxy_rig.RustRouter) else proxy_rig.descendants(gw.process.pid)
+    return proxy_rig.cpu_seconds(pids)
 
 
 def engine_requests(url: str) -> float:
@@ -143,74 +140,23 @@ def engine_requests(url: str) -> float:
                for s in family.samples if s.name == "vllm:request_success_total")
 
 
-# The gateway always opens Redis. agent_routing.py and adapter_routing.py keep their gateways'
-# prefix-index keys in this DB under their own replica names, and delete them before each gateway so
-# every run starts cold; this benchmark gives each gateway a Redis of its own (own_redis).
-REDIS_URL = "redis://127.0.0.1:6379/14"
-REPLICA_PREFIX = "rtb-"
-
-
-def clear_bench_index(redis_url: str = REDIS_URL) -> None:
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(r.scan_iter(match=f"yg:prefix:demo:r:{REPLICA_PREFIX}*"))
-        if keys:
-            r.delete(*keys)
-        fields = [f for f in r.hkeys("yg:prefix:demo:capacity") if f.decode().startswith(REPLICA_PREFIX)]
-        if fields:
-            r.hdel("yg:prefix:demo:capacity", *fields)
-    finally:
-        r.close()
-
-
 @contextmanager
 def own_redis(workdir: Path) -> Iterator[str]:
     """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
     prefix-index channel, and each applies the others' writes, work a lone gateway does not do
     (and that the CPU per request would count)."""
-    import gateway_overhead
+    import proxy_rig
 
     sys.path.insert(0, str(ROOT / "tests"))
     from multihost import RedisServer  # tests/multihost.py, as benchmarks/multihost.py uses it
 
-    port = gateway_overhead.free_port()
+    port = proxy_rig.free_port()
     server = RedisServer(workdir / f"redis-{port}", "127.0.0.1", port)
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
-
-
-def parse_policy(label: str) -> tuple[str, dict[str, float]]:
-    """"cache_aware+queued_request_blocks=8" -> ("cache_aware", {"queued_request_blocks": 8.0}):
-    a policy with tier tuning overrides, so tunings run side by side like policies."""
-    name, *pairs = label.split("+")
-    return name, {k: float(v) for k, v in (p.split("=", 1) for p in pairs)}
-
-
-def two_replica_config(policy: str, engines: list[tuple[str, str]], model_path: str,
-                       redis_url: str = REDIS_URL, tag: str = "", data_dir: str = "") -> Any:
-    """One `standard` tier with every engine as a replica."""
-    from yieldgate.gateway.config import Config, ServerConfig
-    from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
-
-    name, overrides = parse_policy(policy)
-    tier = msgspec.convert({"policy": name, **overrides}, TierConfig, strict=False)
-    replicas = [ReplicaConfig(name=f"{REPLICA_PREFIX}{tag}{i}", tier="standard", url=url, kv_events_endpoint=kv)
-                for i, (url, kv) in enumerate(engines)]
-    return Config(server=ServerConfig(redis_url=redis_url, data_dir=data_dir),
-                  fleet=FleetConfig(model="demo", model_path=model_path, block_size=32, replicas=replicas,
-                                    tiers={"standard": tier}, health_interval_s=1.0,
-                                    scrape_interval_s=1.0))
-
-
-def _reset_prefix_cache(url: str) -> None:
-    import urllib.request
-
-    urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=30).read()
 
 
 def engine_kv_blocks(url: str) -> int | None:
@@ -231,20 +177,6 @@ def real_workloads(seed: int, tenants: int = 4) -> list[Any]:
                              tool_output_tokens=100, followup_tokens=30, output_tokens=4,
                              words_per_token=WORDS_PER_TOKEN),
     ]
-
-
-def bootstrap_p90_diff(a: list[float], b: list[float], resamples: int = 2000, seed: int = 0) -> dict:
-    """p90(a) - p90(b) with a 90% bootstrap interval (both samples resampled independently) and
-    the share of resamples where p90(a) <= p90(b). One run's p90 on this 2-core machine moves
-    by tens of percent, so a policy comparison is a difference with an interval, not two numbers."""
-    import random
-
-    rng = random.Random(seed)
-    diffs = sorted(percentile(rng.choices(a, k=len(a)), 90) - percentile(rng.choices(b, k=len(b)), 90)
-                   for _ in range(resamples))
-    return {"diff_ms": percentile(a, 90) - percentile(b, 90),
-            "ci90_ms": [percentile(diffs, 5), percentile(diffs, 95)],
-            "p_not_worse": sum(d <= 0 for d in diffs) / resamples}
 
 
 async def _interleaved(gateways: dict[str, Any], conc: int, sizes: list[int], rounds: int,
@@ -521,7 +453,7 @@ def up_stack(config: str) -> Iterator[list[str]]:
     if not config:
         yield []
         return
-    from run_all import stack  # benchmarks/run_all.py, next to this script
+    from stack_up import stack  # benchmarks/stack_up.py, next to this script
 
     with stack(config) as home:
         yield [f"ipc://{home}/run/kv-events-standard-{i}.sock" for i in range(2)]
@@ -534,19 +466,8 @@ def merge_real(previous: dict, rows: list[dict], run: dict) -> tuple[list[dict],
     real = sorted([r for r in previous.get("real", []) if r["concurrency"] not in loads] + rows,
                   key=lambda r: r["concurrency"])
     before = previous.get("meta")
-    runs = (before.get("runs") or [before]) if before else []
+    runs = ((before.get("notes") or {}).get("merged_runs") or before.get("runs") or [before]) if before else []
     return real, [*runs, run]
-
-
-def result_meta(command: str, load: str) -> dict:
-    import os
-    import subprocess
-
-    return {"commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                     cwd=ROOT).stdout.strip(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-            "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
-            "load": load, "command": command}
 
 
 def mean_over_seeds(runs: list[list[dict]]) -> list[dict]:
@@ -824,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
                                 f"policy and load in {args.rounds} rounds, closed-loop concurrency {loads_run}"
                                 + (", caches reset before every phase" if args.cold_phases else ""))
     if len(runs) > 1:  # merged: each invocation's own command, date and machine load
-        meta["runs"] = runs
+        meta.setdefault("notes", {})["merged_runs"] = runs
     doc = {"meta": meta, "generated_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "real": real, "sim": sim,
            "sim_setup": {"replicas": 64, "tenants": 256, "prefix_tokens": 1000, "kv_capacity_blocks": 2048,
                          "engine": msgspec.to_builtins(EngineModel()), "agent_share": 0.25},

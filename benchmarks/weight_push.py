@@ -41,6 +41,7 @@ import statistics
 import httpx
 import torch
 
+import harness  # benchmarks/harness.py, beside this script
 from yieldgate.serving.demo_model import ensure_demo_model
 from yieldgate.trainer_bridge import (
     WeightSet,
@@ -266,6 +267,8 @@ def main() -> None:
                  "receive+verify s, load s (from the first verified tensor, incl. waiting), of which "
                  "waiting for chunks s, snapshot MB, snapshot s"),
     }
+    result = {"meta": harness.meta(["trainer_bridge/", "serving/", "benchmarks/weight_push.py"],
+                                   load_before=result.get("load_avg_1m_start")), **result}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "weight_push.json"
     out.write_text(json.dumps(result, indent=2))

@@ -69,6 +69,29 @@ def record_result(path: Path, doc: dict) -> None:
         print(f"\n[result] {path}")
 
 
+def bench_harness():
+    """benchmarks/harness.py (result meta, freshness), loaded once."""
+    import importlib.util
+
+    if "harness" not in sys.modules:  # benchmarks/harness.py; its dataclasses look their module up
+        spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["harness"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["harness"]
+
+
+def record_counts(name: str, test: str, measures: list[str], counts: dict, **extra) -> None:
+    """What an asserting test measured (requests, failures, cases), as benchmarks/results/NAME.json
+    with the harness's meta: the README row of a figure a test asserts is computed from this record,
+    never typed. `test` is the node id that measured it; `measures` the code it exercises."""
+    if os.environ.get("YIELDGATE_RECORD_RESULTS") != "1":
+        return
+    harness = bench_harness()
+    meta = harness.meta(measures, command=f"python -m pytest {test}")  # taken as the test ends
+    record_result(harness.RESULTS / f"{name}.json", {"meta": meta, "test": test, "counts": counts, **extra})
+
+
 @dataclass
 class Stack:
     gateway_url: str

@@ -227,13 +227,15 @@ class Service:
 class Load:
     """`workers` threads sending streamed chat requests through the Service, bounded in count and
     time. A connection refused (nothing reached a gateway) is sent to another gateway once, as a
-    load balancer retries a failed connect; anything else that is not a whole answer is a failure."""
+    load balancer retries a failed connect, and kept in `resent`: a failure the re-send avoided, never
+    merged into the request it became; anything else that is not a whole answer is a failure."""
 
     def __init__(self, service: Service, workers: int = 4, max_tokens: int = 64, max_requests: int = 2000,
                  max_s: float = 300.0):
         self.service, self.workers, self.max_tokens = service, workers, max_tokens
         self.max_requests, self.max_s = max_requests, max_s
         self.served: list[Served] = []
+        self.resent: list[Served] = []   # refused connections, each sent again to another gateway
         self.inflight: list[Served] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -291,6 +293,8 @@ class Load:
             if s.detail.startswith("connect") and attempt == 0:
                 other = self.service.pick(avoid=url)
                 if other is not None:  # nothing reached that gateway: another one takes it
+                    with self._lock:
+                        self.resent.append(s)
                     url = other
                     continue
             with self._lock:
@@ -361,6 +365,7 @@ def port_base() -> int:
 class Drill:
     name: str
     served: list[Served] = field(default_factory=list)
+    resent: list[Served] = field(default_factory=list)  # refused connections the client sent elsewhere
     timeline: list[tuple[float, str]] = field(default_factory=list)   # (seconds since start, event)
     numbers: dict[str, float] = field(default_factory=dict)
     t0: float = field(default_factory=time.monotonic)
@@ -371,7 +376,8 @@ class Drill:
         return now
 
     def summary(self) -> dict:
-        return {"requests": len(self.served), "failed": len(failures(self.served)), **self.numbers,
+        return {"requests": len(self.served), "failed": len(failures(self.served)),
+                "refused_and_resent": len(self.resent), **self.numbers,
                 "timeline": [f"{t:7.2f}s {e}" for t, e in self.timeline]}
 
 
@@ -385,6 +391,7 @@ def _load(fleet: Fleet, workers: int = 4) -> tuple[Service, Load]:
 
 def _end(drill: Drill, service: Service, load: Load) -> None:
     drill.served = load.stop()
+    drill.resent = list(load.resent)
     service.stop()
     drill.mark(f"load stopped: {len(drill.served)} requests, {len(failures(drill.served))} failed")
 

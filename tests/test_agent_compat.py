@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
+from conftest import bench_harness
 from conftest import record_result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,12 +92,11 @@ def test_agent_compat_matrix(stack):
                         cells.append({"route": path, "stream": stream, "tools": "required" if tools else "none",
                                       "tier": tier, "engine": outcome(route, stream, tools, direct),
                                       "gateway": outcome(route, stream, tools, through)})
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {
-        "meta": {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "machine": {"cores": os.cpu_count(), "gpu": None, "load_avg_1m": os.getloadavg()[0]},
-                 "load": "one request at a time, the session stack's two demo engines",
-                 "command": "scripts/dev test tests/test_agent_compat.py"},
+        "meta": bench_harness().meta(["gateway/", "cache/", "serving/", "pricing/", "tests/test_agent_compat.py",
+                                "benchmarks/agent_compat.py"],
+                               setup="one request at a time, the session stack's two demo engines",
+                               command="python -m pytest tests/test_agent_compat.py"),
         "cells": cells,
     }
     record_result(agent_compat.RESULT, result)

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from conftest import record_counts
 from yieldgate.cache import Tokenizer, pack_tokens
 
 CORPUS = (Path(__file__).resolve().parents[1] / "serving" / "data" / "corpus.txt").read_text()
@@ -141,6 +142,9 @@ async def test_tiktoken_path_matches_engine_tokenize(engine_url: str, model_dir:
         got = tok.encode(case["prompt"]) if "prompt" in case else tok.encode_chat(case["messages"])
         if got != want:
             mismatches.append((case, got[:20], want[:20]))
+    record_counts("tokenizer_parity", "tests/test_cache_tokenizer_parity.py::test_tiktoken_path_matches_engine_tokenize",
+                  ["cache/", "serving/data/", "tests/test_cache_tokenizer_parity.py"],
+                  {"prompts": len(cases), "identical": len(cases) - len(mismatches)})
     assert not mismatches, f"{len(mismatches)}/{len(cases)} differ; first: {mismatches[0]!r}"
 
 
@@ -206,5 +210,8 @@ async def test_agent_corpus_matches_engine_tokenize(engine_url: str, model_dir: 
     mismatches = [i for i, (case, want) in enumerate(zip(cases, expected))
                   if tok.encode_chat(case["messages"], case.get("tools")) != want]
     print(f"\n[parity] agent corpus: {len(cases) - len(mismatches)}/{len(cases)} identical")
+    record_counts("agent_corpus", "tests/test_cache_tokenizer_parity.py::test_agent_corpus_matches_engine_tokenize",
+                  ["cache/", "tests/data/agent_corpus.jsonl", "tests/test_cache_tokenizer_parity.py"],
+                  {"requests": len(cases), "identical": len(cases) - len(mismatches)})
     assert not mismatches, f"{len(mismatches)}/{len(cases)} differ; first: case {mismatches[0]}: " \
         f"{cases[mismatches[0]]!r}"

@@ -27,6 +27,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import record_counts
+
 from yieldgate.gateway.config import Config
 from yieldgate.serving.config import FleetConfig, LaunchSpec, ReplicaConfig
 from yieldgate.serving.launcher import Launcher
@@ -512,6 +514,14 @@ def test_replica_sigkill_under_load(stack, chaos_engine, gateway_factory, caplog
           f"{max((b - a for a, b, _, _ in unary_times), default=0):.1f} s; killed when a stream there was "
           f"< {recent_s:.2f} s old; requests re-sent on a new "
           f"connection after a kept-alive one closed: {gw.gateway.proxy.upstream.stale_retries}")
+    record_counts("chaos_faults", "tests/test_chaos_faults.py::test_replica_sigkill_under_load",
+                  ["gateway/", "cache/", "serving/", "pricing/", "tests/test_chaos_faults.py"], {
+                      "in_flight_at_kill": inflight_at_kill, "unary": len(unary), "unary_failed": len(failed_unary),
+                      "streams": len(streams), "streams_cut_with_error_event": len(cut_streams),
+                      "streams_left_by_client_at_stop": left,
+                      # Failures the gateway avoided by sending again, counted apart from the requests.
+                      "gateway_retries_on_another_replica": int(engine_metric(gw.url, "yieldgate_upstream_retries")),
+                      "gateway_resends_after_closed_keepalive": gw.gateway.proxy.upstream.stale_retries})
     timeline = [(round(a - killed_at, 2), round(b - a, 2), status, replica)
                 for a, b, status, replica in unary_times]
     log_lines = gateway_log(caplog, killed_at)

@@ -21,6 +21,8 @@ from decimal import Decimal
 import httpx
 import pytest
 
+from conftest import record_counts
+
 from yieldgate.gateway.config import Config, ServerConfig
 from needs import missing
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
@@ -89,6 +91,9 @@ def test_gateway_sigkill_loses_no_acknowledged_record(stack, redis_url, tmp_path
     second = gateway_process_factory(config)  # same data_dir: replays the journal at start
     reconcile(second.url, answered)
     print(f"\n[chaos] gateway SIGKILL after {len(answered)} answers: all {len(answered)} in the ledger once")
+    record_counts("chaos_gateway", "tests/test_chaos_gateway.py::test_gateway_sigkill_loses_no_acknowledged_record",
+                  [*["gateway/", "cache/", "serving/", "pricing/"], "tests/test_chaos_gateway.py"],
+                  {"answered": len(answered), "in_ledger_once": len(answered)})
 
 
 @pytest.fixture
@@ -178,6 +183,10 @@ def test_redis_outage_under_load_keeps_serving_and_reconciles(stack, tmp_path, p
     assert during.count(False) > 0, "no anonymous request was answered while Redis was down"
     assert during.count(True) > 0, "no keyed request was answered while Redis was down"
     reconcile(gw.url, answered, timeout=90)
+    record_counts("chaos_redis", "tests/test_chaos_gateway.py::test_redis_outage_under_load_keeps_serving_and_reconciles",
+                  [*["gateway/", "cache/", "serving/", "pricing/"], "tests/test_chaos_gateway.py"],
+                  {"requests": len(answered), "answered_during_outage": len(during), "keyed_during_outage": sum(during),
+                   "failed": len(failed), "errors": len(errors), "ledger_matches_clients": len(answered)})
 
 
 def test_redis_outage_in_closed_mode_refuses_keyed_requests_only(stack, tmp_path, private_redis, gateway_factory):
