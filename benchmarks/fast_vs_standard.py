@@ -8,7 +8,7 @@ sessions (sampled). Same seeded requests for both tiers, interleaved, fixed outp
 
     python benchmarks/fast_vs_standard.py [--standard URL] [--fast URL] [--gateway URL]
 
-With --gateway, the tiers are reached through the gateway as models "demo" and "demo:fast": the
+With --gateway, the tiers are reached through the gateway as models MODEL and "MODEL:fast": the
 tier as sold, its routing included (run_all.py runs it so, on examples/fast-tier.toml). Without,
 each engine is asked directly. A third target, the standard tier again under another name, runs
 interleaved with both: its ratio to the standard tier is the harness's own bias (1× but for it),
@@ -83,7 +83,10 @@ def main() -> None:
     ap.add_argument("--gateway", default=None)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--concurrency", default="1,4", help="comma-separated closed-loop concurrencies")
-    ap.add_argument("--words-per-token", type=float, default=0.44)  # demo tokenizer, measured via /tokenize
+    ap.add_argument("--model", default="smollm2", help="the served model's name (the tiny model's: demo)")
+    ap.add_argument("--synthetic-code", action="store_true",
+                    help="code edits on synthetic arithmetic (the random tiny model) instead of readable functions")
+    ap.add_argument("--words-per-token", type=float, default=0.7)  # SmolLM2 on English; the tiny model 0.44
     ap.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS, help="whole comparisons, every one kept")
     a = ap.parse_args()
     rec = harness.Recording("fast_vs_standard", MEASURES)
@@ -106,12 +109,13 @@ def compare(a: argparse.Namespace) -> dict:
     """One comparison: every workload class at every concurrency, standard / fast / standard again."""
     def targets(extra: dict) -> tuple[Target, Target, Target]:
         std_url, fast_url = (a.gateway, a.gateway) if a.gateway else (a.standard, a.fast)
-        fast_model = "demo:fast" if a.gateway else "demo"
-        return (Target(base_url=std_url, model="demo", name="standard", ignore_eos=True, extra_body=extra),
+        fast_model = f"{a.model}:fast" if a.gateway else a.model
+        return (Target(base_url=std_url, model=a.model, name="standard", ignore_eos=True, extra_body=extra),
                 Target(base_url=fast_url, model=fast_model, name="fast", ignore_eos=True, extra_body=extra),
-                Target(base_url=std_url, model="demo", name="control", ignore_eos=True, extra_body=extra))
+                Target(base_url=std_url, model=a.model, name="control", ignore_eos=True, extra_body=extra))
 
-    code = CodeEditWorkload(functions=4, lines_per_function=5, words_per_token=a.words_per_token)
+    code = CodeEditWorkload(functions=4, lines_per_function=5, words_per_token=a.words_per_token,
+                            natural=not a.synthetic_code)
     # (workload, sampling): default sampling (temperature 1) and greedy, as code edits are usually run.
     workloads = {
         "code_edit": (code, {}),
@@ -123,8 +127,8 @@ def compare(a: argparse.Namespace) -> dict:
     std, fast, _ = targets({})
     out: dict = {"setup": {"standard": std.base_url, "fast": fast.base_url, "requests": a.requests,
                            "concurrency": a.concurrency, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                           "note": "demo model has random weights: it does not really copy the code, so "
-                                   "n-gram drafts are accepted only where its output happens to repeat. "
+                           "model": a.model, "code": "synthetic" if a.synthetic_code else "natural",
+                           "note": "ignore_eos: both tiers generate max_tokens, past the model's end of answer. "
                                    "TPOT of an engine that streams tokens in bursts (chunks merged while its "
                                    "API process is busy) is tiny; compare tokens per e2e second too."},
                  "workloads": {}}

@@ -364,35 +364,67 @@ class RandomLengthWorkload(_Base, tag="random"):
             i += 1
 
 
+# Plain, readable functions: what a small instruct model copies faithfully (it rewrites code it
+# cannot read, such as the synthetic arithmetic below, instead of copying it).
+_NATURAL_FUNCTIONS = (
+    "def celsius_to_fahrenheit(celsius):\n    return celsius * 9 / 5 + 32\n",
+    "def is_even(number):\n    return number % 2 == 0\n",
+    "def average(values):\n    if not values:\n        return 0\n    return sum(values) / len(values)\n",
+    "def greet(name):\n    return f\"Hello, {name}!\"\n",
+    "def count_words(text):\n    return len(text.split())\n",
+    "def reverse_string(text):\n    return text[::-1]\n",
+    "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n",
+    "def find_max(numbers):\n    largest = numbers[0]\n    for number in numbers:\n        if number > largest:\n"
+    "            largest = number\n    return largest\n",
+    "def is_palindrome(word):\n    word = word.lower()\n    return word == word[::-1]\n",
+    "def area_of_circle(radius):\n    return 3.14159 * radius * radius\n",
+    "def fizzbuzz(n):\n    if n % 15 == 0:\n        return \"FizzBuzz\"\n    if n % 3 == 0:\n        return \"Fizz\"\n"
+    "    if n % 5 == 0:\n        return \"Buzz\"\n    return str(n)\n",
+    "def read_lines(path):\n    with open(path) as f:\n        return [line.strip() for line in f]\n",
+)
+CODE_EDITOR_SYSTEM = "You are a code editor. You output the full edited file and nothing else."
+
+
 class CodeEditWorkload(_Base, tag="code_edit"):
     """Input-grounded code editing: return a code block with one small change.
 
     The answer mostly copies the prompt, which is where n-gram speculative decoding shines.
+    `natural`: readable functions and a code-editor system prompt, which a small real model (SmolLM2)
+    edits by copying; otherwise synthetic arithmetic functions (fine for a random-weight model).
     """
 
     functions: int = 6
     lines_per_function: int = 6
     output_slack: float = 1.2  # max_tokens = estimated code tokens * slack
+    natural: bool = False
 
     def sessions(self) -> Iterator[Session]:
         rng = self._rng("stream")
         i = 0
         while True:
-            code, names = self._code(rng)
+            code, names = self._natural(rng) if self.natural else self._code(rng)
             old = rng.choice(names)
-            new = old + "_" + rng.choice(_IDENTIFIERS)
+            new = old + "_" + rng.choice(_IDENTIFIERS) if not self.natural else "compute_" + old
             code_tokens = _tokens_of(code, self.words_per_token)
-            user = (
-                f"Rename the function `{old}` to `{new}` everywhere in this file and return the whole "
-                f"file in one code block, otherwise unchanged.\n\n```python\n{code}```"
-            )
+            if self.natural:
+                user = f"Rename the function `{old}` to `{new}`.\n\n```python\n{code}```"
+            else:
+                user = (
+                    f"Rename the function `{old}` to `{new}` everywhere in this file and return the whole "
+                    f"file in one code block, otherwise unchanged.\n\n```python\n{code}```"
+                )
             yield Session(
                 id=f"edit-{i}",
                 group="code_edit",
+                system=CODE_EDITOR_SYSTEM if self.natural else None,
                 turns=[Turn(user=user, max_tokens=max(8, round(code_tokens * self.output_slack)),
                             input_tokens_est=code_tokens + 30)],
             )
             i += 1
+
+    def _natural(self, rng: random.Random) -> tuple[str, list[str]]:
+        chosen = rng.sample(_NATURAL_FUNCTIONS, min(self.functions, len(_NATURAL_FUNCTIONS)))
+        return "\n".join(chosen), [f[4:f.index("(")] for f in chosen]
 
     def _code(self, rng: random.Random) -> tuple[str, list[str]]:
         lines: list[str] = []
