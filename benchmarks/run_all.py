@@ -438,6 +438,19 @@ def tokenizer_parity() -> str:
     return f"{of(c['identical'], c['prompts'])} prompts identical (asserted)"
 
 
+def smollm2_parity() -> str:
+    c = counts("tokenizer_parity_smollm2")
+    return (f"{of(c['identical'], c['prompts'])} prompts, chats and agent requests identical "
+            f"({c['agent_requests']} agent requests) (asserted)")
+
+
+def smollm2_tool_calls() -> str:
+    c = counts("tool_calls_smollm2")
+    n = c["requests"]
+    return (f"calls that parse: tool_choice auto {c['auto_parsed']}/{n}, required {c['required_parsed']}/{n} "
+            f"(the right tool {c['required_right_tool']}/{n}); greedy")
+
+
 def agent_parity() -> str:
     c = counts("agent_corpus")
     return f"{of(c['identical'], c['requests'])} requests identical to vLLM's `/tokenize` (asserted)"
@@ -470,6 +483,12 @@ BENCHMARKS = [
     Benchmark("tokenizer_parity", "tokenizer parity with vLLM `/tokenize`", "100%",
               "`scripts/dev test -k tokenizer_parity`", tokenizer_parity, files=["tokenizer_parity"],
               **suite("test_cache_tokenizer_parity.py")),
+    Benchmark("tokenizer_parity_smollm2", "tokenizer parity with vLLM `/tokenize`, SmolLM2 (digit split, 21 bytes missing from its vocabulary)",
+              "100%", "`scripts/dev test -k real_model`", smollm2_parity, files=["tokenizer_parity_smollm2"],
+              **suite("test_real_model.py")),
+    Benchmark("tool_calls_smollm2", "tool calls of SmolLM2 through the gateway (8 requests that need a tool)",
+              "— (reported)", "`scripts/dev test -k real_model`", smollm2_tool_calls, files=["tool_calls_smollm2"],
+              **suite("test_real_model.py")),
     Benchmark("tokenizer_speed", "tokenizer speed vs HF tokenizers", "≥ 3×",
               "`python benchmarks/tokenizer_speed.py`", tokenizer_speed,
               run=["benchmarks/tokenizer_speed.py", "--repeat", "5"],

@@ -22,7 +22,7 @@ import aiohttp
 import httpx
 import pytest
 
-from conftest import ROOT, record_result
+from conftest import ROOT, record_counts
 from engines import start_engine, stop_engine, wait_healthy
 from yieldgate.cache import Tokenizer
 from yieldgate.serving import smollm2
@@ -197,9 +197,9 @@ async def test_tokenizer_parity_with_the_engine(smol_engine: str, smol_dir: Path
     mismatches = [i for i, (got, want) in enumerate(zip(ours, expected)) if got != want]
     print(f"\n[parity] smollm2: {len(cases) - len(mismatches)}/{len(cases)} identical "
           f"({len(agent)} agent requests)")
-    record_result(ROOT / "benchmarks" / "results" / "tokenizer_parity_smollm2.json", {
-        "benchmark": "tokenizer_parity_smollm2", "model": MODEL, "prompts": len(cases),
-        "agent_requests": len(agent), "identical": len(cases) - len(mismatches)})
+    record_counts("tokenizer_parity_smollm2", "tests/test_real_model.py::test_tokenizer_parity_with_the_engine",
+                  ["cache/", "serving/smollm2.py", "serving/chatml.py"],
+                  {"prompts": len(cases), "agent_requests": len(agent), "identical": len(cases) - len(mismatches)})
     assert len(cases) >= 1000
     assert not mismatches, f"{len(mismatches)}/{len(cases)} differ; first: {cases[mismatches[0]]!r}"
 
@@ -247,9 +247,10 @@ def test_tool_calls_through_the_gateway_and_how_often_they_parse(gateway: str) -
                 right_tool += calls[0].function.name == tool
         counts[choice] = {"parsed": parsed, "right_tool": right_tool}
     print(f"\n[smollm2] tool calls parsed of {len(TOOL_PROMPTS)}: {counts}")
-    record_result(ROOT / "benchmarks" / "results" / "tool_calls_smollm2.json", {
-        "benchmark": "tool_calls_smollm2", "model": MODEL, "requests": len(TOOL_PROMPTS), "temperature": 0,
-        "tool_choice": counts})
+    record_counts("tool_calls_smollm2",
+                  "tests/test_real_model.py::test_tool_calls_through_the_gateway_and_how_often_they_parse",
+                  ["serving/smollm2.py", "serving/chatml.py", "gateway/"],
+                  {"requests": len(TOOL_PROMPTS), **{f"{c}_{k}": v for c, d in counts.items() for k, v in d.items()}})
 
 
 def test_a_lora_adapter_serves_under_its_name_and_a_full_weight_push_rolls_back(gateway: str, smol_dir: Path,
