@@ -1,6 +1,6 @@
 """LoRA adapters over HTTP: the admin API (/admin/adapters, admin credential) and how an adapter
 shows in /v1/models. The registry and placement are serving/adapters.py; the request path binds a
-request to an adapter version in gateway/proxy.py. See docs/adapters.md."""
+request to an adapter version in gateway/exchange.py. See docs/adapters.md."""
 
 from __future__ import annotations
 

@@ -26,12 +26,13 @@ from .adapter_canary import build_adapter_canary_router
 from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
-from .apis import ANTHROPIC, APIS, ROUTES
+from .apis import APIS, ROUTES
 from .http import bearer_token
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .drain import Drain, DrainingServer, close_within, default_instance_id
 from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
+from .exchange import Pipeline
 from .health import build_health_router
 from .metrics import GatewayMetrics
 from .proxy import Proxy
@@ -84,8 +85,8 @@ class Gateway:
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
-        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters, self.drain,
-                           self.instance_id)
+        self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
+        self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
         self.weights = WeightOrchestrator(self)
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
@@ -99,6 +100,7 @@ class Gateway:
         await self.dashboard.start()
         await self.routing.start()
         await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
+        self.pipeline.start()
         await self.proxy.start()
         self.weights.start()
 
@@ -180,11 +182,8 @@ class GatewayApp(FastAPI):
         api = APIS[kind]
         try:
             headers = dict(scope["headers"])
-            authorization = headers.get(b"authorization")
-            if kind in ANTHROPIC and b"x-api-key" in headers:  # how Anthropic's clients send the key
-                authorization = b"Bearer " + headers[b"x-api-key"]
-            key = await gw.accounting.authenticate_header(authorization)
-            response = await gw.proxy.handle(kind, scope, receive, key)
+            key = await gw.pipeline.authenticate(kind, headers)
+            response = await gw.proxy.handle(kind, scope, receive, key, headers)
         except APIError as exc:
             gw.metrics.rejections.labels(exc.code or exc.type).inc()
             response = api.error(exc)

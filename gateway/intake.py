@@ -1,7 +1,6 @@
-"""What every inference request goes through before routing, whether the gateway proxies it
-(gateway/proxy.py) or an Envoy in front of the engines asks the endpoint picker where to send it
-(gateway/picker.py): validate the body, resolve model and tier, open its RequestContext, and the
-bytes to send upstream.
+"""What every inference request goes through before routing (the first step of the pipeline in
+gateway/exchange.py, whichever front door it came in by): validate the body, resolve model and
+tier, open its RequestContext, and the bytes to send upstream.
 """
 
 from __future__ import annotations

@@ -266,6 +266,12 @@ class Adapters:
         self._on_replica[key] += 1
         return key
 
+    def running(self, route: AdapterRoute, replica: Replica | None = None) -> int:
+        """Requests for the version not over yet (on `replica`: sent there), as this gateway counts them."""
+        if replica is None:
+            return self._inflight.get(route.engine_name, 0)
+        return self._on_replica.get(f"{replica.name}\t{route.engine_name}", 0)
+
     def _used_now(self, replica: Replica, engine: str) -> str:
         """The version was used on the replica now (least-recently-used unloading reads this);
         returns its "replica \t engine" key."""

@@ -195,7 +195,10 @@ def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_
 
     from yieldgate.gateway.app import Gateway
     from yieldgate.gateway.config import Config
+    from yieldgate.gateway.apis import APIS
     from yieldgate.gateway.context import RequestContext
+    from yieldgate.gateway.exchange import Exchange
+    from yieldgate.gateway.intake import Intake
     from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
     async def run() -> None:
@@ -215,7 +218,8 @@ def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_
         adapters.ensure = ensure  # type: ignore[method-assign]
         ctx = RequestContext(request_id="r", kind="completions", model="x", tier="standard", started=0.0,
                              adapter=adapters.resolve("x"))
-        candidates = await gateway.proxy._candidates(ctx, set())
+        exchange = Exchange(gateway.pipeline, APIS["completions"], Intake({}, None, ctx), b"")
+        candidates = await exchange._candidates()
         assert [r.name for r in candidates] == ["a"] and loads == [["a", "b"], ["a", "b"]]
 
     asyncio.run(run())

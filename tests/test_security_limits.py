@@ -99,11 +99,11 @@ def test_concurrent_streams_per_key_are_capped(stack, gateway_factory):
         s1.close()
         # The closed stream's slot comes back once the gateway notices the disconnect.
         deadline = time.monotonic() + 30
-        while gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") > 1 and time.monotonic() < deadline:
+        while gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         again = http.post(url, json=chat(stream=True))
         assert again.status_code == 200 and b"data: [DONE]" in again.content
     deadline = time.monotonic() + 30
-    while gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") and time.monotonic() < deadline:
+    while gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") == 0
+    assert gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") == 0
