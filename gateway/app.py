@@ -34,12 +34,12 @@ from .drain import Drain, DrainingServer, close_within, default_instance_id
 from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
 from .exchange import Pipeline
 from .health import build_health_router
+from .openapi import install as install_openapi
 from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
 from .stall import LoopWatch
-from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest, ModelCard,
-                      ModelList, ResponsesRequest)
+from .schemas import ModelCard, ModelList
 from .weights import WeightOrchestrator, build_intake_router
 
 if TYPE_CHECKING:
@@ -142,34 +142,11 @@ class Gateway:
             raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
 
 
-_REF = "#/components/schemas/{name}"
-_BODY_SCHEMAS, _COMPONENTS = msgspec.json.schema_components(
-    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest],
-    ref_template=_REF)
-
-
-def _openapi_body(schema: dict) -> dict:
-    """Request bodies are msgspec Structs; publish their JSON schema in the OpenAPI document."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _with_components(app: FastAPI) -> None:
-    build = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = build()
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
 class GatewayApp(FastAPI):
     """The FastAPI app, except that the inference routes are served straight from ASGI: no
     middleware stack, router, dependency solver, exception layers or Request object (about a tenth
-    of the gateway's CPU per request). The FastAPI routes of the same paths remain for the OpenAPI
-    document and behave identically."""
+    of the gateway's CPU per request). Their OpenAPI operations come from their schemas
+    (gateway/openapi.py)."""
 
     gateway: Gateway
 
@@ -234,7 +211,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     app = GatewayApp(title="yieldgate", version="0.1.0", lifespan=lifespan)
     app.state.gateway = app.gateway = gw
-    _with_components(app)
+    install_openapi(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -257,7 +234,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
         return error_response(500, "Internal gateway error.", "server_error", code="internal_error")
 
     async def api_key(request: Request) -> None:
-        # API-key auth for inference endpoints; the proxy reads request.state.api_key.
+        # API-key auth for the model list and stored responses (and feedback).
         request.state.api_key = await gw.accounting.authenticate(request)
 
     app.include_router(build_admin_router(gw))
@@ -268,26 +245,6 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_feedback_router(gw, api_key))
     app.include_router(build_dashboard_router(gw, gw.dashboard))
     inference = [Depends(api_key)]
-
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]), dependencies=inference)
-    async def chat_completions(request: Request) -> Response:
-        return await gw.proxy.handle("chat", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[1]), dependencies=inference)
-    async def completions(request: Request) -> Response:
-        return await gw.proxy.handle("completions", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/responses", openapi_extra=_openapi_body(_BODY_SCHEMAS[2]), dependencies=inference)
-    async def responses(request: Request) -> Response:
-        return await gw.proxy.handle("responses", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/messages", openapi_extra=_openapi_body(_BODY_SCHEMAS[3]), dependencies=inference)
-    async def messages(request: Request) -> Response:
-        return await gw.proxy.handle("messages", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/messages/count_tokens", openapi_extra=_openapi_body(_BODY_SCHEMAS[4]), dependencies=inference)
-    async def count_tokens(request: Request) -> Response:
-        return await gw.proxy.handle("count_tokens", request.scope, request.receive, request.state.api_key)
 
     @app.get("/v1/responses/{response_id}", dependencies=inference)
     async def stored_response(response_id: str) -> Response:
