@@ -17,15 +17,15 @@ from yieldgate.cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexCon
 from yieldgate.cache.routing import (
     POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
 )
-from yieldgate.cache.scorers import Candidate, RouteRequest, load_of, rendezvous
+from yieldgate.cache.scorers import AdapterCandidacy, Candidate, RouteRequest, adapter_candidacy, load_of, rendezvous
 from yieldgate.cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
 __all__ = [
-    "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
+    "AdapterCandidacy", "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
     "Candidate", "ChatTemplate", "ChatTemplateError", "IndexStats", "KVEventBatch", "KVEventSubscriber",
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
-    "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
+    "Tokenizer", "UnknownPolicy", "adapter_candidacy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
     "lora_extra_keys", "pack_tokens", "rendezvous", "PipelineSpec", "WeightedScorer", "register_filter", "register_picker",
     "register_preset", "register_scorer",
 ]

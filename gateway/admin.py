@@ -235,4 +235,3 @@ def build_feedback_router(gw: "Gateway", authenticated: Any) -> APIRouter:
         return json_response({"object": "feedback", "outcome": outcome})
 
     return router
-

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from yieldgate.cache import RouteRequest
+from yieldgate.cache import RouteRequest, adapter_candidacy
 from yieldgate.pricing import ApiKey
 from yieldgate.serving.adapters import AdapterError, Adapters
 from yieldgate.serving.fleet import Fleet, Replica
@@ -173,32 +173,31 @@ class Exchange:
         return self.pipeline.routing.no_replica(self.ctx)
 
     async def _candidates(self) -> list[Replica]:
-        """The routing candidates; for an adapter, those that hold its version, after loading it
-        (the request waits, bounded) where no replica of the tier or its fallback holds it. A
-        policy that weighs adapter affinity also gets the tier's other replicas while the adapter
-        is on fewer than its placement allows, held or not: it picks where to load it."""
+        """The routing candidates. For an adapter, the rule of cache.scorers.adapter_candidacy:
+        the replicas of the tier (or its fallback) holding its version, with the tier's others
+        while the policy weighs adapter affinity and the version may go on more replicas; held by
+        none, it is loaded first (the request waits, bounded)."""
         p, ctx, failed = self.pipeline, self.ctx, self.failed
         route, adapters = ctx.adapter, p.adapters
         if route is None or ctx.pinned is not None:
             return await p.routing.targets(ctx, failed, p.failover)
         holds = lambda r: adapters.holds(route, r)  # noqa: E731
-        candidates = await p.routing.candidates(ctx, failed, p.failover, holds)
+        holders = await p.routing.candidates(ctx, failed, p.failover, holds)
         routable = [r for r in p.fleet.candidates(ctx.tier) if r.name not in failed] \
             or [r for r in p.fleet.fallback(ctx.tier)[1] if r.name not in failed]
-        if p.routing.scores_adapters(ctx.tier) and adapters.may_spread(route):
-            # The policy weighs the adapter's affinity against cache and load (a replica that
-            # still caches the adapter's prefix from an earlier residency, a free slot): replicas
-            # that would have to load it are candidates too (the pick loads it there, see `route`).
-            candidates += [r for r in routable if r not in candidates and r.tier == ctx.tier]
-            if candidates:
-                ctx.route.adapter_affinity = {r.name: adapters.affinity(route, r) for r in candidates}
-        elif candidates:
-            adapters.spread(route, routable)
-        if candidates or not routable:
-            return candidates
+        everywhere, room = adapters.placement(route)
+        candidacy = adapter_candidacy(holders, routable, lambda r: adapters.affinity(route, r),
+                                      weighs_affinity=p.routing.scores_adapters(ctx.tier), room=room,
+                                      busy=min((r.inflight for r in everywhere), default=0) >= 1, tier=ctx.tier)
+        if candidacy.affinity is not None:
+            ctx.route.adapter_affinity = candidacy.affinity
+        if candidacy.spread_to is not None:
+            adapters.spread(route, candidacy.spread_to)
+        if candidacy.candidates or not candidacy.load_on:
+            return candidacy.candidates
         deadline = time.monotonic() + p.config.fleet.lora.load_wait_s
         while True:
-            await self._load_adapter(routable)
+            await self._load_adapter(candidacy.load_on)
             candidates = await p.routing.candidates(ctx, failed, p.failover, holds)
             if candidates or time.monotonic() >= deadline:
                 return candidates

@@ -309,25 +309,20 @@ class Adapters:
             raise AdapterUnavailable(f"Adapter '{route.label}' did not load within {self.lora.load_wait_s:g} s; "
                                      "retry shortly.") from None
 
-    def may_spread(self, route: AdapterRoute) -> bool:
-        """An adapter placed on demand that is on fewer replicas than it may be."""
+    def placement(self, route: AdapterRoute) -> tuple[list[Replica], bool]:
+        """The replicas holding the version, and whether it may go on more: an adapter placed on
+        demand that is on fewer replicas than it may be (cache.scorers.adapter_candidacy's `room`)."""
         adapter = self.adapters.get(route.name)
-        return adapter is not None and adapter.replicas > 0 and \
-            sum(self.holds(route, r) for r in self.fleet.replicas.values()) < adapter.replicas
-
-    def spread(self, route: AdapterRoute, replicas: list[Replica]) -> None:
-        """Demand beyond its replicas: an adapter placed on up to N replicas whose every holder
-        has requests in flight is loaded, in the background, on one more replica with a free slot."""
-        adapter = self.adapters.get(route.name)
-        if adapter is None or not adapter.replicas or route.engine_name in self._loads:
-            return
         holders = [r for r in self.fleet.replicas.values() if self.holds(route, r)]
-        if len(holders) >= adapter.replicas or min((r.inflight for r in holders), default=0) < 1:
+        return holders, adapter is not None and 0 < adapter.replicas and len(holders) < adapter.replicas
+
+    def spread(self, route: AdapterRoute, replica: Replica) -> None:
+        """Demand beyond its holders: load the version on `replica` too, in the background (one
+        such load per version at a time)."""
+        if route.engine_name in self._loads:
             return
-        free = [r for r in replicas if r not in holders and self.affinity(route, r) > 0]
-        if free:
-            task = self._loads[route.engine_name] = asyncio.create_task(self._load_somewhere(route, free[:1]))
-            task.add_done_callback(lambda t: self._loaded(route.engine_name, t))
+        task = self._loads[route.engine_name] = asyncio.create_task(self._load_somewhere(route, [replica]))
+        task.add_done_callback(lambda t: self._loaded(route.engine_name, t))
 
     def _loaded(self, engine: str, task: asyncio.Task) -> None:
         if self._loads.get(engine) is task:

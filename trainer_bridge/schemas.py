@@ -96,4 +96,3 @@ class RolloutState(msgspec.Struct):
 
     def note(self, event: str, replica: str = "", detail: str = "") -> None:
         self.timeline.append(TimelineEvent(time.time(), event, replica, detail))
-
