@@ -27,11 +27,11 @@ from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
 from .apis import APIS, ROUTES
-from .http import bearer_token
+from .http import admin_only
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .drain import Drain, DrainingServer, close_within, default_instance_id
-from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
+from .errors import APIError, InternalError, ModelNotFound, error_response
 from .exchange import Pipeline
 from .health import build_health_router
 from .openapi import install as install_openapi
@@ -40,7 +40,7 @@ from .proxy import Proxy
 from .routing import Routing
 from .stall import LoopWatch
 from .schemas import ModelCard, ModelList
-from .weights import WeightOrchestrator, build_intake_router
+from .weights import build_intake_router, weight_orchestrator
 
 if TYPE_CHECKING:
     import uvicorn
@@ -83,11 +83,11 @@ class Gateway:
         self.fleet = Fleet(config.fleet)
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
-        self.dashboard = Dashboard(self)
+        self.dashboard = Dashboard(self.accounting)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
         self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
-        self.weights = WeightOrchestrator(self)
+        self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
         self.fleet.on_leave.append(self._left)
@@ -137,9 +137,6 @@ class Gateway:
     def engine_status(self) -> dict[str, dict[str, Any]]:
         return self.supervisor.status() if self.supervisor is not None else {}
 
-    def require_admin(self, request: Request) -> None:
-        if not self.accounting.is_admin_token(bearer_token(request.headers.get("authorization"))):
-            raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
 
 
 class GatewayApp(FastAPI):
@@ -237,13 +234,14 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
         # API-key auth for the model list and stored responses (and feedback).
         request.state.api_key = await gw.accounting.authenticate(request)
 
-    app.include_router(build_admin_router(gw))
-    app.include_router(build_intake_router(gw))
-    app.include_router(build_adapters_router(gw))
-    app.include_router(build_adapter_push_router(gw))
-    app.include_router(build_adapter_canary_router(gw))
-    app.include_router(build_feedback_router(gw, api_key))
-    app.include_router(build_dashboard_router(gw, gw.dashboard))
+    admin = admin_only(gw.accounting)
+    app.include_router(build_admin_router(admin, gw.fleet, gw.engine_status, gw.accounting, gw.weights))
+    app.include_router(build_intake_router(gw.weights))
+    app.include_router(build_adapters_router(gw.adapters, admin))
+    app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
+    app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))
+    app.include_router(build_feedback_router(gw.accounting, api_key))
+    app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
     inference = [Depends(api_key)]
 
     @app.get("/v1/responses/{response_id}", dependencies=inference)
