@@ -1,6 +1,6 @@
 """Where the adapter registry and per-replica residency live, so that gateways agree on them.
 
-`LocalStore`: one gateway's memory (and `asyncio` locks). `RedisStore`: a Redis hash of
+`LocalAdapterStore`: one gateway's memory (and `asyncio` locks). `RedisAdapterStore`: a Redis hash of
 registry entries (name -> the adapter without its placements), a hash of residency entries
 (`name \\t engine name \\t replica` -> placement, written field by field so gateways that load
 different adapters never overwrite each other), a hash of last-use times for LRU unloading, and
@@ -47,7 +47,7 @@ class Placement(msgspec.Struct):
     engine_started: float = 0.0
 
 
-class Canary(msgspec.Struct):
+class AdapterCanary(msgspec.Struct):
     """A share of an adapter's requests sent to a new version before it is promoted."""
 
     version: str
@@ -65,7 +65,7 @@ class Adapter(msgspec.Struct):
     history: list[str] = []       # versions that were current, oldest first: rollback steps back
     # engine name (name@version) -> replica -> placement
     placements: dict[str, dict[str, Placement]] = {}
-    canary: Canary | None = None  # a version on trial next to `current`
+    canary: AdapterCanary | None = None  # a version on trial next to `current`
 
     def version(self, version: str) -> AdapterVersion | None:
         return next((v for v in self.versions if v.version == version), None)
@@ -103,7 +103,7 @@ class AdapterStore(Protocol):
     async def close(self) -> None: ...
 
 
-class LocalStore:
+class LocalAdapterStore:
     shared = False
 
     def __init__(self) -> None:
@@ -140,7 +140,7 @@ class LocalStore:
         pass
 
 
-class RedisStore:
+class RedisAdapterStore:
     shared = True
 
     def __init__(self, client: "aioredis.Redis", prefix: str):
@@ -218,5 +218,5 @@ async def open_store(redis_url: str, model: str) -> AdapterStore:
 
     client = await reachable_redis(redis_url, "the adapter registry", socket_timeout=5)
     if client is None:
-        return LocalStore()
-    return RedisStore(client, f"yg:adapters:{model}:")
+        return LocalAdapterStore()
+    return RedisAdapterStore(client, f"yg:adapters:{model}:")

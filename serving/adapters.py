@@ -31,7 +31,7 @@ import msgspec
 
 from yieldgate.cache.scorers import adapter_affinity
 
-from .adapter_store import Adapter, AdapterStore, AdapterVersion, Canary, LocalStore, Placement
+from .adapter_store import Adapter, AdapterCanary, AdapterStore, AdapterVersion, LocalAdapterStore, Placement
 from .config import LoraConfig
 from .fleet import Fleet, Replica
 from .lora import LoraClient, LoraEngineError
@@ -117,7 +117,7 @@ class Adapters:
         self.base = fleet.config.model
         self.lora: LoraConfig = fleet.config.lora
         self.client = client or LoraClient()
-        self.store: AdapterStore = store or LocalStore()
+        self.store: AdapterStore = store or LocalAdapterStore()
         self.adapters: dict[str, Adapter] = {}
         self._inflight: Counter[str] = Counter()   # engine name -> requests sent to it, not over
         self._on_replica: Counter[str] = Counter()  # "replica \t engine name" -> ... and to that replica
@@ -228,7 +228,7 @@ class Adapters:
             route = self._routes[model] = AdapterRoute(adapter.name, adapter.current, record.path)
         return route
 
-    def _canary_take(self, canary: Canary) -> bool:
+    def _canary_take(self, canary: AdapterCanary) -> bool:
         """Whether this request goes to the canary: exactly `share` of this gateway's requests for
         the adapter, spread evenly (counted here, not in the shared registry)."""
         counts = self._canary_counts.setdefault((canary.version, canary.started), [0, 0])
@@ -469,7 +469,7 @@ class Adapters:
                     await self._save(adapter)
                 raise
             if canary is not None:
-                adapter.canary = Canary(version, canary, time.time())
+                adapter.canary = AdapterCanary(version, canary, time.time())
                 await self._save(adapter)
                 log.warning("adapter %s: version %s on canary for %.0f%% of requests", name, version, canary * 100)
                 return adapter

@@ -13,17 +13,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from test_adapter_slots import RecordedEngineCalls, registry
-from yieldgate.serving.adapter_store import AdapterVersion, Placement, RedisStore
+from yieldgate.serving.adapter_store import AdapterVersion, Placement, RedisAdapterStore
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.config import FleetConfig, LoraConfig
 from yieldgate.serving.fleet import Fleet
 
 
-async def _store(redis_url: str, prefix: str) -> RedisStore:
-    return RedisStore(aioredis.from_url(redis_url), prefix)
+async def _store(redis_url: str, prefix: str) -> RedisAdapterStore:
+    return RedisAdapterStore(aioredis.from_url(redis_url), prefix)
 
 
-async def _shared(adapters: Adapters, store: RedisStore) -> RedisStore:
+async def _shared(adapters: Adapters, store: RedisAdapterStore) -> RedisAdapterStore:
     """`store` holding the registry `adapters` has in memory (tests/test_adapter_slots.py's)."""
     for name, adapter in adapters.adapters.items():
         await store.save(adapter)

@@ -8,14 +8,14 @@ import time
 import httpx
 import pytest
 
-from yieldgate.gateway.config import Config, LimitsConfig
+from yieldgate.gateway.config import Config, RequestLimits
 from yieldgate.gateway.errors import RateLimited
 from yieldgate.gateway.limits import StreamLimiter, stream_owner
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 
 def limited_config(stack, **limits) -> Config:
-    return Config(limits=LimitsConfig(**limits), fleet=FleetConfig(model=stack.model, replicas=[
+    return Config(limits=RequestLimits(**limits), fleet=FleetConfig(model=stack.model, replicas=[
         ReplicaConfig(name="std-0", tier="standard", url=stack.engines["standard"])]))
 
 
@@ -33,7 +33,7 @@ def chat(content: str = "hi", **extra) -> dict:
 
 
 def test_safe_defaults():
-    limits = LimitsConfig()
+    limits = RequestLimits()
     assert 0 < limits.max_body_bytes <= 16 * 1024 * 1024
     assert 0 < limits.max_messages <= 10_000
     assert 0 < limits.max_tokens <= 32_768
