@@ -4,21 +4,21 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 ``router.pick(RouteRequest(...), replicas)``, then ``router.sent``, ``first_token`` and ``done`` as the request goes.
 """
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
-from yieldgate.cache.chat_template import ChatTemplate, ChatTemplateError
-from yieldgate.cache.kv_events import (
+from .blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
+from .chat_template import ChatTemplate, ChatTemplateError
+from .kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
     KVEventSubscriberConfig, decode_batch,
 )
-from yieldgate.cache.policies import (
+from .policies import (
     PipelineSpec, WeightedScorer, register_filter, register_picker, register_preset, register_scorer,
 )
-from yieldgate.cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
-from yieldgate.cache.routing import (
+from .prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
+from .routing import (
     POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
 )
-from yieldgate.cache.scorers import AdapterCandidacy, Candidate, RouteRequest, adapter_candidacy, load_of, rendezvous
-from yieldgate.cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
+from .scorers import AdapterCandidacy, Candidate, RouteRequest, adapter_candidacy, load_of, rendezvous
+from .tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
 __all__ = [
     "AdapterCandidacy", "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash
+from .blocks import BlockHash
 
 
 @runtime_checkable

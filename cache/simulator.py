@@ -20,11 +20,11 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys
-from yieldgate.cache.prefix_index import PrefixIndex, PrefixIndexConfig
-from yieldgate.cache.routing import Router, RouterConfig
-from yieldgate.cache.scorers import RouteRequest, adapter_affinity, adapter_candidacy
-from yieldgate.cache.tokenizer import Tokenizer
+from .blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys
+from .prefix_index import PrefixIndex, PrefixIndexConfig
+from .routing import Router, RouterConfig
+from .scorers import RouteRequest, adapter_affinity, adapter_candidacy
+from .tokenizer import Tokenizer
 
 # Filler words for simulated assistant answers; ~0.45 words per demo-model token.
 _ANSWER_WORDS = "ok so the result is done next step we will check cache and tokens then reply".split()
