@@ -50,6 +50,7 @@ class Pipeline:
         self.routing = routing
         self.accounting = accounting
         self.adapters = adapters
+        self.slots = adapters.slots
         self.affinity = ResponseAffinity(config.fleet.model)
         self.streams = StreamLimiter(config.limits.streams_per_key)
         self.max_body_bytes = config.limits.max_body_bytes
@@ -83,7 +84,7 @@ class Pipeline:
             # Bound to the version current now, held until the request ends: a version bump
             # unloads the old version only once nothing sent to it is in flight.
             ctx.adapter_held = True
-            self.adapters.acquire(ctx.adapter)
+            self.slots.acquire(ctx.adapter)
         return Exchange(self, APIS[kind], intake, body)
 
     def failover(self, requested: str, served_by: str) -> None:
@@ -160,8 +161,8 @@ class Exchange:
         if ctx.adapter is not None:
             # Counted on the replica before any load: a full replica never unloads an adapter
             # that a request is about to run there.
-            ctx.adapter_sent_to = p.adapters.touch(ctx.adapter, replica, ctx.adapter_sent_to)
-            if not p.adapters.holds(ctx.adapter, replica):  # picked to take the adapter on
+            ctx.adapter_sent_to = p.slots.touch(ctx.adapter, replica, ctx.adapter_sent_to)
+            if not p.slots.holds(ctx.adapter, replica):  # picked to take the adapter on
                 try:
                     await self._load_adapter([replica])
                 except BaseException:
@@ -178,21 +179,21 @@ class Exchange:
         while the policy weighs adapter affinity and the version may go on more replicas; held by
         none, it is loaded first (the request waits, bounded)."""
         p, ctx, failed = self.pipeline, self.ctx, self.failed
-        route, adapters = ctx.adapter, p.adapters
+        route, slots = ctx.adapter, p.slots
         if route is None or ctx.pinned is not None:
             return await p.routing.targets(ctx, failed, p.failover)
-        holds = lambda r: adapters.holds(route, r)  # noqa: E731
+        holds = lambda r: slots.holds(route, r)  # noqa: E731
         holders = await p.routing.candidates(ctx, failed, p.failover, holds)
         routable = [r for r in p.fleet.candidates(ctx.tier) if r.name not in failed] \
             or [r for r in p.fleet.fallback(ctx.tier)[1] if r.name not in failed]
-        everywhere, room = adapters.placement(route)
-        candidacy = adapter_candidacy(holders, routable, lambda r: adapters.affinity(route, r),
+        everywhere, room = slots.placement(route)
+        candidacy = adapter_candidacy(holders, routable, lambda r: slots.affinity(route, r),
                                       weighs_affinity=p.routing.scores_adapters(ctx.tier), room=room,
                                       busy=min((r.inflight for r in everywhere), default=0) >= 1, tier=ctx.tier)
         if candidacy.affinity is not None:
             ctx.route.adapter_affinity = candidacy.affinity
         if candidacy.spread_to is not None:
-            adapters.spread(route, candidacy.spread_to)
+            slots.spread(route, candidacy.spread_to)
         if candidacy.candidates or not candidacy.load_on:
             return candidacy.candidates
         deadline = time.monotonic() + p.config.fleet.lora.load_wait_s
@@ -207,7 +208,7 @@ class Exchange:
     async def _load_adapter(self, replicas: list[Replica]) -> None:
         """Load the request's adapter version on one of `replicas`; the request waits (bounded)."""
         try:
-            await self.pipeline.adapters.ensure(self.ctx.adapter, replicas)
+            await self.pipeline.slots.ensure(self.ctx.adapter, replicas)
         except AdapterError as exc:
             raise ServiceUnavailable(exc.message, code=exc.code, headers={"retry-after": "1"}) from None
 
@@ -289,7 +290,7 @@ class Exchange:
             self.lease.release()
         if ctx.adapter_held:
             ctx.adapter_held = False
-            p.adapters.release(ctx.adapter, ctx.adapter_sent_to)
+            p.slots.release(ctx.adapter, ctx.adapter_sent_to)
         p.routing.done(ctx)
         if self.relay is not None:
             self.relay.end(status)

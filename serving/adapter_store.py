@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 import msgspec
@@ -29,6 +30,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("yieldgate.adapters")
 
 LOCK_S = 300.0   # a lock's lease: longer than any engine load, released early by its holder
+
+
+LOADING, RESIDENT, FAILED, UNLOADING = "loading", "resident", "failed", "unloading"
+
+
+def engine_name(name: str, version: str) -> str:
+    return f"{name}@{version}"
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRoute:
+    """What a request for an adapter carries: the version it was bound to when it arrived."""
+
+    name: str
+    version: str
+    path: str                     # where the engines loaded it from (part of vLLM's block hashes)
+
+    @property
+    def engine_name(self) -> str:
+        return engine_name(self.name, self.version)
+
+    @property
+    def label(self) -> str:
+        """How responses and the ledger name what produced them."""
+        return self.engine_name
 
 
 # The registry's records, as stored (msgpack) and as served by GET /admin/adapters.

@@ -263,6 +263,7 @@ def test_an_adapter_version_is_held_on_its_replica_while_its_request_runs(door_f
 
     door = door_factory(fast_tier)
     adapters = door.parts.adapters
+    slots = adapters.slots
     if door.name == "proxy":
         resp = httpx.post(door.url + "/admin/adapters", headers={"authorization": f"Bearer {ADMIN}"}, timeout=120,
                           json={"name": name, "version": "v1", "path": str(path), "tiers": ["fast"]})
@@ -270,20 +271,20 @@ def test_an_adapter_version_is_held_on_its_replica_while_its_request_runs(door_f
     fast = door.parts.fleet.replicas[door.config.fleet.replicas[1].name]
     try:
         route = adapters.resolve(name)
-        assert route is not None and adapters.holds(route, fast)
+        assert route is not None and slots.holds(route, fast)
         with httpx.stream("POST", door.url + "/v1/chat/completions", timeout=120, json=dict(
                 chat_body("Write a long story.", max_tokens=200, ignore_eos=True, stream=True), model=name)) as s:
             assert s.status_code == 200
             request_id = s.headers["x-request-id"]
             lines = s.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            assert (adapters.running(route), adapters.running(route, fast)) == (1, 1)
+            assert (slots.running(route), slots.running(route, fast)) == (1, 1)
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
         rec = door.record(request_id)
         assert (rec.status, rec.adapter, rec.weight_version, rec.replica) == ("ok", name, f"{name}@v1", fast.name)
         assert door.settled()
-        assert (adapters.running(route), adapters.running(route, fast)) == (0, 0)
+        assert (slots.running(route), slots.running(route, fast)) == (0, 0)
     finally:
         door.call(adapters.remove(name))
         deadline = time.monotonic() + 30
