@@ -4,28 +4,28 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 ``router.pick(RouteRequest(...), replicas)``, then ``router.sent``, ``first_token`` and ``done`` as the request goes.
 """
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
-from yieldgate.cache.chat_template import ChatTemplate, ChatTemplateError
-from yieldgate.cache.kv_events import (
+from .blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
+from .chat_template import ChatTemplate, ChatTemplateError
+from .kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
     KVEventSubscriberConfig, decode_batch,
 )
-from yieldgate.cache.policies import (
+from .policies import (
     PipelineSpec, WeightedScorer, register_filter, register_picker, register_preset, register_scorer,
 )
-from yieldgate.cache.prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
-from yieldgate.cache.routing import (
+from .prefix_index import IndexStats, PrefixIndex, PrefixIndexConfig, SharedPrefixIndex
+from .routing import (
     POLICIES, NoCandidates, Policy, RouteDecision, Router, RouterConfig, UnknownPolicy, build_policy,
 )
-from yieldgate.cache.scorers import Candidate, RouteRequest, load_of, rendezvous
-from yieldgate.cache.tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
+from .scorers import AdapterCandidacy, Candidate, RouteRequest, adapter_candidacy, load_of, rendezvous
+from .tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
 __all__ = [
-    "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
+    "AdapterCandidacy", "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
     "Candidate", "ChatTemplate", "ChatTemplateError", "IndexStats", "KVEventBatch", "KVEventSubscriber",
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
-    "Tokenizer", "UnknownPolicy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
+    "Tokenizer", "UnknownPolicy", "adapter_candidacy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",
     "lora_extra_keys", "pack_tokens", "rendezvous", "PipelineSpec", "WeightedScorer", "register_filter", "register_picker",
     "register_preset", "register_scorer",
 ]

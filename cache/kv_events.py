@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from yieldgate.cache.blocks import BlockHash
+from .blocks import BlockHash
 
 log = logging.getLogger(__name__)
 

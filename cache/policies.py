@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from yieldgate.cache.scorers import (
+from .scorers import (
     AdapterAffinityScorer, ConsistentHashScorer, EvictionScorer, Filter, HotspotFilter, KVCostScorer, LoadScorer,
     MaxScorePicker, Picker, PrefixCacheScorer, RoundRobinPicker, Scorer, SessionAffinityScorer, ShareFilter,
     SpeculationFilter,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import msgspec
 from redis.exceptions import RedisError
 
-from yieldgate.cache.blocks import BlockHash
+from .blocks import BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash, BlockHasher, BlockHashConfig
-from yieldgate.cache.policies import (  # noqa: F401  (RouterConfig, UnknownPolicy re-exported)
+from .blocks import BlockHash, BlockHasher, BlockHashConfig
+from .policies import (  # noqa: F401  (RouterConfig, UnknownPolicy re-exported)
     PRESETS, PipelineSpec, RouterConfig, UnknownPolicy, build_parts, preset,  # noqa: F401
 )
-from yieldgate.cache.scorers import (
+from .scorers import (
     AdapterAffinityScorer, Candidate, Filter, Picker, RecentPicks, RouteContext, RouteRequest, Scorer, load_of,
 )
 

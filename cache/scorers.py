@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash
+from .blocks import BlockHash
 
 
 @runtime_checkable
@@ -351,6 +351,42 @@ class AdapterAffinityScorer:
     def score(self, ctx: RouteContext, candidates: Sequence[Candidate]) -> dict[str, float]:
         affinity = ctx.request.adapter_affinity or {}
         return {c.name: affinity.get(c.name, 0.0) for c in candidates}
+
+
+class AdapterCandidacy(msgspec.Struct):
+    """Where a LoRA adapter request may go (`adapter_candidacy`), and what to load first."""
+
+    candidates: list[Any]                       # route among these now (empty: load first)
+    affinity: dict[str, float] | None = None    # RouteRequest.adapter_affinity, for AdapterAffinityScorer
+    load_on: list[Any] = []                     # held by no candidate: load it on one of these (best
+                                                # first), the request waiting, then route again
+    spread_to: Any = None                       # every holder busy: load it here too, in the background
+
+
+def adapter_candidacy(holders: Sequence[Any], routable: Sequence[Any], affinity: Callable[[Any], float], *,
+                      weighs_affinity: bool, room: bool, busy: bool, tier: str | None = None) -> AdapterCandidacy:
+    """The one rule for where a request for a LoRA adapter version may go, for the gateway
+    (gateway/exchange.py) and the fleet simulator (cache/simulator.py) alike.
+
+    `holders`: the replicas it may go to that hold the version; `routable`: every replica it may
+    go to (of `tier`, when given, where new copies go); `affinity(replica)`: adapter_affinity;
+    `weighs_affinity`: the policy has the adapter_affinity scorer; `room`: the version is on fewer
+    replicas than its placement allows; `busy`: every replica holding it has a request in flight.
+
+    A policy that weighs affinity, while there is room, gets the holders and every other routable
+    replica with their affinity: the pick decides where one more copy is worth its load. Otherwise
+    the holders, and with room and every holder busy, one more copy where a slot is free. Held
+    nowhere: loaded first where a slot is free, else on the least loaded replica."""
+    if weighs_affinity and room:
+        candidates = list(holders) + [r for r in routable if r not in holders and (tier is None or r.tier == tier)]
+        if candidates:
+            return AdapterCandidacy(candidates, {r.name: affinity(r) for r in candidates})
+    elif holders:
+        spread_to = None
+        if room and busy:
+            spread_to = next((r for r in routable if r not in holders and affinity(r) > 0), None)
+        return AdapterCandidacy(list(holders), spread_to=spread_to)
+    return AdapterCandidacy([], load_on=sorted(routable, key=lambda r: (-affinity(r), r.inflight)))
 
 
 # -- pickers ------------------------------------------------------------------

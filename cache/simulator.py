@@ -20,11 +20,11 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from yieldgate.cache.blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys
-from yieldgate.cache.prefix_index import PrefixIndex, PrefixIndexConfig
-from yieldgate.cache.routing import Router, RouterConfig
-from yieldgate.cache.scorers import RouteRequest, adapter_affinity
-from yieldgate.cache.tokenizer import Tokenizer
+from .blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys
+from .prefix_index import PrefixIndex, PrefixIndexConfig
+from .routing import Router, RouterConfig
+from .scorers import RouteRequest, adapter_affinity, adapter_candidacy
+from .tokenizer import Tokenizer
 
 # Filler words for simulated assistant answers; ~0.45 words per demo-model token.
 _ANSWER_WORDS = "ok so the result is done next step we will check cache and tokens then reply".split()
@@ -577,25 +577,19 @@ class FleetSimulator:
         decision.replica.submit(req)
 
     def _adapter_candidates(self, adapter: str, route: RouteRequest) -> list[SimReplica]:
-        """Where a request for `adapter` may go, as in the gateway (gateway/proxy.py `_candidates`,
-        serving.Adapters): the replicas that hold it. A policy that weighs adapter affinity also
-        gets every other replica while the adapter is on fewer than `adapter_replicas`, held or
-        not (the pick loads it there). Under any other policy, an adapter held nowhere goes to the
-        replica the gateway loads it on (a free slot first, then the least loaded), and one held
-        is spread, in the background, to a replica with a free slot once every holder has a
-        request in flight."""
+        """Where a request for `adapter` may go: the gateway's rule (cache.scorers.adapter_candidacy)
+        on the simulated replicas, an adapter on demand on up to `adapter_replicas` of them. Held
+        nowhere, it goes to the replica the rule loads it on; a spread loads it in the background."""
         limit = self.config.adapter_replicas or len(self.replicas)
         holders = [r for r in self.replicas if adapter in r.adapters]
-        if len(holders) < limit and self.router.scores_adapters:
-            route.adapter_affinity = {r.name: r.affinity(adapter) for r in self.replicas}
-            return self.replicas
-        if not holders:
-            return [min(self.replicas, key=lambda r: (-r.affinity(adapter), r.inflight))]
-        if len(holders) < limit and min(r.inflight for r in holders) >= 1:
-            free = [r for r in self.replicas if r.affinity(adapter) == 0.5]
-            if free:
-                free[0].preload(adapter)
-        return holders
+        candidacy = adapter_candidacy(holders, self.replicas, lambda r: r.affinity(adapter),
+                                      weighs_affinity=self.router.scores_adapters, room=len(holders) < limit,
+                                      busy=bool(holders) and min(r.inflight for r in holders) >= 1)
+        if candidacy.affinity is not None:
+            route.adapter_affinity = candidacy.affinity
+        if candidacy.spread_to is not None:
+            candidacy.spread_to.preload(adapter)
+        return candidacy.candidates or candidacy.load_on[:1]
 
     # -- results -----------------------------------------------------------------------------------
     def _result(self) -> PolicyResult:

@@ -9,30 +9,24 @@ success (pricing/release_gate.py) promotes the canary or rolls it back (docs/ada
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from yieldgate.pricing.release_gate import OutcomeRule, verdict
 from yieldgate.pricing.report import SuccessRow
-from yieldgate.serving.adapters import AdapterError, engine_name
+from yieldgate.serving.adapters import AdapterError, Adapters, engine_name
 
+from .accounting import Accounting
 from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError
 from .http import decode_body, json_response
 
-if TYPE_CHECKING:
-    from .app import Gateway
 
-
-def build_adapter_canary_router(gw: "Gateway") -> APIRouter:
-    def admin(request: Request) -> None:
-        gw.require_admin(request)
-
+def build_adapter_canary_router(adapters: Adapters, accounting: Accounting,
+                                admin: Callable[[Request], None]) -> APIRouter:
     router = APIRouter(prefix="/admin/adapters", dependencies=[Depends(admin)])
-
 
     async def adapter_call(call: Awaitable) -> None:
         try:
@@ -42,19 +36,19 @@ def build_adapter_canary_router(gw: "Gateway") -> APIRouter:
 
     @router.post("/{name}/promote")
     async def promote(name: str) -> Response:
-        await adapter_call(gw.adapters.promote(name))
-        return json_response(await adapter_doc(gw, name))
+        await adapter_call(adapters.promote(name))
+        return json_response(await adapter_doc(adapters, name))
 
     @router.post("/{name}/canary/evaluate")
     async def evaluate(name: str, request: Request) -> Response:
         rule: OutcomeRule = await decode_body(request, OutcomeRule)
-        adapter = gw.adapters.adapters.get(name)
+        adapter = adapters.adapters.get(name)
         if adapter is None:
             raise APIError(f"No adapter named {name!r}.", status=404, code="adapter_not_found")
         canary = adapter.canary
         if canary is None:
             raise APIError(f"Adapter {name!r} has no version on canary.", status=409, code="adapter_conflict")
-        ledger = await gw.accounting.flushed_ledger()
+        ledger = await accounting.flushed_ledger()
         rows = {r.group["weight_version"]: r for r in await ledger.success(("adapter", "weight_version"),
                                                                              since=canary.started)
                 if r.group["adapter"] == name}
@@ -62,10 +56,10 @@ def build_adapter_canary_router(gw: "Gateway") -> APIRouter:
         stable, trial = rows.get(stable_label) or SuccessRow({}), rows.get(canary_label) or SuccessRow({})
         decision, why = verdict(stable, trial, rule)
         if decision == "promote":
-            await adapter_call(gw.adapters.promote(name, canary.version))
+            await adapter_call(adapters.promote(name, canary.version))
         elif decision == "rollback":  # of this canary only, not of the version that serves
-            await adapter_call(gw.adapters.rollback(name, canary.version))
+            await adapter_call(adapters.rollback(name, canary.version))
         return json_response({"verdict": decision, "reason": why, "rule": rule,
-                              "versions": {stable_label: stable, canary_label: trial}, "adapter": await adapter_doc(gw, name)})
+                              "versions": {stable_label: stable, canary_label: trial}, "adapter": await adapter_doc(adapters, name)})
 
     return router

@@ -12,21 +12,18 @@ import json
 import shutil
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from yieldgate.serving.adapters import AdapterError
-from yieldgate.serving.config import home_dir
+from yieldgate.serving.adapters import AdapterError, Adapters
+from yieldgate.serving.config import FleetConfig, home_dir
 from yieldgate.serving.peft import IncompatibleAdapter, InvalidAdapter, check_packed_adapter, unpack_adapter
 
 from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError, InvalidRequest, PayloadTooLarge
 from .http import json_response
-
-if TYPE_CHECKING:
-    from .app import Gateway
 
 MAX_ADAPTER_BYTES = 2 << 30
 CHECKSUM_HEADER = "x-yieldgate-sha256"
@@ -60,15 +57,14 @@ def _share(raw: str | None) -> float | None:
     return share
 
 
-def build_adapter_push_router(gw: "Gateway") -> APIRouter:
-    def admin(request: Request) -> None:
-        gw.require_admin(request)
-
+def build_adapter_push_router(adapters: Adapters, fleet: FleetConfig, model_dir: Callable[[], str],
+                              admin: Callable[[Request], None]) -> APIRouter:
+    """`model_dir()`: the base model's directory, whose config an adapter must fit."""
     router = APIRouter(prefix="/admin/adapters", dependencies=[Depends(admin)])
 
     @cache
     def model_config() -> dict:
-        return json.loads((Path(gw.weights.model_dir()) / "config.json").read_text())
+        return json.loads((Path(model_dir()) / "config.json").read_text())
 
     @router.put("/{name}/versions/{version}")
     async def push(name: str, version: str, request: Request) -> Response:
@@ -85,7 +81,7 @@ def build_adapter_push_router(gw: "Gateway") -> APIRouter:
                                  f"says {expected}; nothing was changed.", param=CHECKSUM_HEADER,
                                  code="checksum_mismatch")
         try:
-            config = check_packed_adapter(data, model_config(), gw.config.fleet.lora.max_rank)
+            config = check_packed_adapter(data, model_config(), fleet.lora.max_rank)
         except IncompatibleAdapter as exc:
             raise UnprocessableAdapter(f"The adapter does not fit the fleet: {exc}.") from None
         except InvalidAdapter as exc:
@@ -95,11 +91,11 @@ def build_adapter_push_router(gw: "Gateway") -> APIRouter:
         if created:
             unpack_adapter(data, config, out.with_name(out.name + ".part")).rename(out)
         try:
-            await gw.adapters.push(name, version, str(out), tiers, canary=share)
+            await adapters.push(name, version, str(out), tiers, canary=share)
         except AdapterError as exc:
             if created:
                 shutil.rmtree(out, ignore_errors=True)
             raise adapter_api_error(exc) from None
-        return json_response(await adapter_doc(gw, name), 201)
+        return json_response(await adapter_doc(adapters, name), 201)
 
     return router

@@ -1,10 +1,11 @@
 """LoRA adapters over HTTP: the admin API (/admin/adapters, admin credential) and how an adapter
 shows in /v1/models. The registry and placement are serving/adapters.py; the request path binds a
-request to an adapter version in gateway/proxy.py. See docs/adapters.md."""
+request to an adapter version in gateway/exchange.py. See docs/adapters.md."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Literal
 
 import msgspec
 from fastapi import APIRouter, Depends, Request
@@ -16,9 +17,6 @@ from yieldgate.serving.adapters import AdapterError, Adapters
 from .errors import APIError
 from .http import decode_body, json_response
 from .schemas import ModelCard
-
-if TYPE_CHECKING:
-    from .app import Gateway
 
 _Text = Annotated[str, Meta(min_length=1, max_length=64)]
 
@@ -58,38 +56,35 @@ def adapter_api_error(exc: AdapterError) -> APIError:
     return APIError(exc.message, status=exc.status, code=exc.code)
 
 
-def build_adapters_router(gw: "Gateway") -> APIRouter:
-    def admin(request: Request) -> None:
-        gw.require_admin(request)
-
+def build_adapters_router(adapters: Adapters, admin: Callable[[Request], None]) -> APIRouter:
     router = APIRouter(prefix="/admin/adapters", dependencies=[Depends(admin)])
 
     @router.get("")
     async def list_adapters() -> Response:
-        return json_response({"object": "list", "data": await gw.adapters.status()})
+        return json_response({"object": "list", "data": await adapters.status()})
 
     @router.post("")
     async def push(request: Request) -> Response:
         spec: AdapterPush = await decode_body(request, AdapterPush)
         try:
             replicas = spec.placement.replicas if isinstance(spec.placement, OnDemand) else 0
-            await gw.adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas, spec.canary)
+            await adapters.push(spec.name, spec.version, spec.path, spec.tiers, replicas, spec.canary)
         except AdapterError as exc:
             raise adapter_api_error(exc) from None
-        return json_response(await adapter_doc(gw, spec.name), 201)
+        return json_response(await adapter_doc(adapters, spec.name), 201)
 
     @router.post("/{name}/rollback")
     async def rollback(name: str) -> Response:
         try:
-            await gw.adapters.rollback(name)
+            await adapters.rollback(name)
         except AdapterError as exc:
             raise adapter_api_error(exc) from None
-        return json_response(await adapter_doc(gw, name))
+        return json_response(await adapter_doc(adapters, name))
 
     @router.delete("/{name}")
     async def remove(name: str) -> Response:
         try:
-            await gw.adapters.remove(name)
+            await adapters.remove(name)
         except AdapterError as exc:
             raise adapter_api_error(exc) from None
         return json_response({"name": name, "deleted": True})
@@ -97,5 +92,5 @@ def build_adapters_router(gw: "Gateway") -> APIRouter:
     return router
 
 
-async def adapter_doc(gw: "Gateway", name: str) -> dict:
-    return next(d for d in await gw.adapters.status() if d["name"] == name)
+async def adapter_doc(adapters: Adapters, name: str) -> dict:
+    return next(d for d in await adapters.status() if d["name"] == name)

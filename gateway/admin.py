@@ -30,9 +30,9 @@ from .http import decode_body, json_response
 
 if TYPE_CHECKING:
     from yieldgate.serving.fleet import Fleet
+    from yieldgate.trainer_bridge.orchestrator import WeightOrchestrator
 
     from .accounting import Accounting
-    from .app import Gateway
 
 _Positive = Annotated[int, Meta(ge=1)]
 
@@ -101,17 +101,16 @@ def usage_csv(rows: list[UsageRow], group_by: tuple[str, ...]) -> str:
     return out.getvalue()
 
 
-def build_admin_router(gw: "Gateway") -> APIRouter:
+def build_admin_router(admin: Callable[[Request], None], fleet: "Fleet",
+                       engine_status: Callable[[], dict[str, dict]], accounting: "Accounting",
+                       weights: "WeightOrchestrator") -> APIRouter:
     """/admin/*: every route needs the admin credential; each group reads only what it serves."""
-    def admin(request: Request) -> None:
-        gw.require_admin(request)
-
     router = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
-    add_fleet_routes(router, gw.fleet, gw.engine_status)
-    add_key_routes(router, gw.accounting)
-    add_report_routes(router, gw.accounting)
+    add_fleet_routes(router, fleet, engine_status)
+    add_key_routes(router, accounting)
+    add_report_routes(router, accounting)
     from .weights import build_weights_admin_routes  # weights imports this module's helpers
-    build_weights_admin_routes(router, gw)
+    build_weights_admin_routes(router, weights)
     return router
 
 
@@ -239,7 +238,7 @@ def add_report_routes(router: APIRouter, acc: "Accounting") -> None:
         return json_response({"group_by": groups, "rows": rows})
 
 
-def build_feedback_router(gw: "Gateway", authenticated: Any) -> APIRouter:
+def build_feedback_router(accounting: "Accounting", authenticated: Any) -> APIRouter:
     """POST /v1/feedback: attach an outcome (passed / score) to a request or a whole session."""
     router = APIRouter()
 
@@ -252,7 +251,7 @@ def build_feedback_router(gw: "Gateway", authenticated: Any) -> APIRouter:
             raise InvalidRequest("Give passed, score or both.", param="passed")
         if fb.score is not None and not math.isfinite(fb.score):
             raise InvalidRequest("score must be finite.", param="score")
-        outcome = await gw.accounting.require_ledger().attach_outcome(
+        outcome = await accounting.require_ledger().attach_outcome(
             request_id=fb.request_id, session_id=fb.session_id, passed=fb.passed, score=fb.score,
             note=fb.note)
         return json_response({"object": "feedback", "outcome": outcome})

@@ -1,6 +1,6 @@
 """The inference APIs the proxy serves, one `Api` each: its upstream path and request schema, where
 its answers carry usage, how the gateway adds tier and cost to them, and the shape of its errors.
-The request path (gateway/proxy.py) is the same for all of them.
+The request path (gateway/exchange.py) is the same for all of them.
 
 Streams: `final_marker` finds the events that may carry the final usage and `is_final` tells which
 one does (the one event the relay decodes and rewrites); `generated` reads the text of relayed events,

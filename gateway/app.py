@@ -26,20 +26,21 @@ from .adapter_canary import build_adapter_canary_router
 from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
-from .apis import ANTHROPIC, APIS, ROUTES
-from .http import bearer_token
+from .apis import APIS, ROUTES
+from .http import admin_only
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .drain import Drain, DrainingServer, close_within, default_instance_id
-from .errors import APIError, AuthenticationError, InternalError, ModelNotFound, error_response
+from .errors import APIError, InternalError, ModelNotFound, error_response
+from .exchange import Pipeline
 from .health import build_health_router
+from .openapi import install as install_openapi
 from .metrics import GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
 from .stall import LoopWatch
-from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest, ModelCard,
-                      ModelList, ResponsesRequest)
-from .weights import WeightOrchestrator, build_intake_router
+from .schemas import ModelCard, ModelList
+from .weights import build_intake_router, weight_orchestrator
 
 if TYPE_CHECKING:
     import uvicorn
@@ -82,11 +83,11 @@ class Gateway:
         self.fleet = Fleet(config.fleet)
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
-        self.dashboard = Dashboard(self)
+        self.dashboard = Dashboard(self.accounting)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
-        self.proxy = Proxy(config, self.fleet, self.routing, self.accounting, self.adapters, self.drain,
-                           self.instance_id)
-        self.weights = WeightOrchestrator(self)
+        self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
+        self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
+        self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
         self.fleet.on_leave.append(self._left)
@@ -99,6 +100,7 @@ class Gateway:
         await self.dashboard.start()
         await self.routing.start()
         await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
+        self.pipeline.start()
         await self.proxy.start()
         self.weights.start()
 
@@ -135,39 +137,13 @@ class Gateway:
     def engine_status(self) -> dict[str, dict[str, Any]]:
         return self.supervisor.status() if self.supervisor is not None else {}
 
-    def require_admin(self, request: Request) -> None:
-        if not self.accounting.is_admin_token(bearer_token(request.headers.get("authorization"))):
-            raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
-
-
-_REF = "#/components/schemas/{name}"
-_BODY_SCHEMAS, _COMPONENTS = msgspec.json.schema_components(
-    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest],
-    ref_template=_REF)
-
-
-def _openapi_body(schema: dict) -> dict:
-    """Request bodies are msgspec Structs; publish their JSON schema in the OpenAPI document."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _with_components(app: FastAPI) -> None:
-    build = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = build()
-            schema.setdefault("components", {}).setdefault("schemas", {}).update(_COMPONENTS)
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class GatewayApp(FastAPI):
     """The FastAPI app, except that the inference routes are served straight from ASGI: no
     middleware stack, router, dependency solver, exception layers or Request object (about a tenth
-    of the gateway's CPU per request). The FastAPI routes of the same paths remain for the OpenAPI
-    document and behave identically."""
+    of the gateway's CPU per request). Their OpenAPI operations come from their schemas
+    (gateway/openapi.py)."""
 
     gateway: Gateway
 
@@ -180,11 +156,8 @@ class GatewayApp(FastAPI):
         api = APIS[kind]
         try:
             headers = dict(scope["headers"])
-            authorization = headers.get(b"authorization")
-            if kind in ANTHROPIC and b"x-api-key" in headers:  # how Anthropic's clients send the key
-                authorization = b"Bearer " + headers[b"x-api-key"]
-            key = await gw.accounting.authenticate_header(authorization)
-            response = await gw.proxy.handle(kind, scope, receive, key)
+            key = await gw.pipeline.authenticate(kind, headers)
+            response = await gw.proxy.handle(kind, scope, receive, key, headers)
         except APIError as exc:
             gw.metrics.rejections.labels(exc.code or exc.type).inc()
             response = api.error(exc)
@@ -235,7 +208,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     app = GatewayApp(title="yieldgate", version="0.1.0", lifespan=lifespan)
     app.state.gateway = app.gateway = gw
-    _with_components(app)
+    install_openapi(app)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -258,37 +231,18 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
         return error_response(500, "Internal gateway error.", "server_error", code="internal_error")
 
     async def api_key(request: Request) -> None:
-        # API-key auth for inference endpoints; the proxy reads request.state.api_key.
+        # API-key auth for the model list and stored responses (and feedback).
         request.state.api_key = await gw.accounting.authenticate(request)
 
-    app.include_router(build_admin_router(gw))
-    app.include_router(build_intake_router(gw))
-    app.include_router(build_adapters_router(gw))
-    app.include_router(build_adapter_push_router(gw))
-    app.include_router(build_adapter_canary_router(gw))
-    app.include_router(build_feedback_router(gw, api_key))
-    app.include_router(build_dashboard_router(gw, gw.dashboard))
+    admin = admin_only(gw.accounting)
+    app.include_router(build_admin_router(admin, gw.fleet, gw.engine_status, gw.accounting, gw.weights))
+    app.include_router(build_intake_router(gw.weights))
+    app.include_router(build_adapters_router(gw.adapters, admin))
+    app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
+    app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))
+    app.include_router(build_feedback_router(gw.accounting, api_key))
+    app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
     inference = [Depends(api_key)]
-
-    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[0]), dependencies=inference)
-    async def chat_completions(request: Request) -> Response:
-        return await gw.proxy.handle("chat", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/completions", openapi_extra=_openapi_body(_BODY_SCHEMAS[1]), dependencies=inference)
-    async def completions(request: Request) -> Response:
-        return await gw.proxy.handle("completions", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/responses", openapi_extra=_openapi_body(_BODY_SCHEMAS[2]), dependencies=inference)
-    async def responses(request: Request) -> Response:
-        return await gw.proxy.handle("responses", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/messages", openapi_extra=_openapi_body(_BODY_SCHEMAS[3]), dependencies=inference)
-    async def messages(request: Request) -> Response:
-        return await gw.proxy.handle("messages", request.scope, request.receive, request.state.api_key)
-
-    @app.post("/v1/messages/count_tokens", openapi_extra=_openapi_body(_BODY_SCHEMAS[4]), dependencies=inference)
-    async def count_tokens(request: Request) -> Response:
-        return await gw.proxy.handle("count_tokens", request.scope, request.receive, request.state.api_key)
 
     @app.get("/v1/responses/{response_id}", dependencies=inference)
     async def stored_response(response_id: str) -> Response:

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, home_dir, load_config
-from yieldgate.gateway.simulate import simulate_command
+from .simulate import simulate_command
 from yieldgate.loadtest.cli import loadtest
 
 from .keys_cli import keys_app, spend

@@ -71,7 +71,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError("server.cache_check_s must be > 0")
 
 
-class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
+class RequestLimits(msgspec.Struct, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 2048
     max_tokens: int = 4096
@@ -102,7 +102,7 @@ class PickerConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
-    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)

@@ -58,7 +58,7 @@ class RequestContext:
     rate_tokens: int = 0                    # tokens already counted against the key's TPM
     extra: dict[str, Any] = field(default_factory=dict)
     adapter: AdapterRoute | None = None     # the LoRA adapter version the request was bound to
-    adapter_held: bool = False              # counted in flight on that version (gateway/proxy.py)
+    adapter_held: bool = False              # counted in flight on that version (gateway/exchange.py)
     adapter_sent_to: str = ""               # ... and on the replica it was sent to (Adapters.touch)
 
     @property

@@ -16,17 +16,16 @@ import time
 from collections import deque
 from decimal import Decimal
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from .http import json_response
+from .accounting import Accounting
 from .errors import AuthenticationError
+from .http import json_response
 from .tiers import FAST, STANDARD
-
-if TYPE_CHECKING:
-    from .app import Gateway
 
 SAMPLE_INTERVAL_S = 5.0
 HISTORY_POINTS = 720          # one hour at 5 s
@@ -37,8 +36,8 @@ MILLION = Decimal(1_000_000)
 class Dashboard:
     """Samples the accounting totals into a bounded time series and serves the page's data."""
 
-    def __init__(self, gw: "Gateway"):
-        self.gw = gw
+    def __init__(self, accounting: Accounting):
+        self.accounting = accounting
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self._last: dict[str, tuple[int, int]] = {}     # tier -> (prompt, cached) at last sample
         self._ledger_cache: tuple[float, dict[str, Any]] | None = None
@@ -62,7 +61,7 @@ class Dashboard:
     def sample(self) -> None:
         """One point per tier: list revenue and actual replica cost per 1M tokens (since start),
         and the cache hit rate of the prompts seen since the previous point."""
-        acc = self.gw.accounting
+        acc = self.accounting
         by_tier: dict[str, list] = {}
         for (tier, _model), t in acc.totals.items():
             agg = by_tier.setdefault(tier, [0, 0, 0, Decimal(0)])
@@ -91,9 +90,9 @@ class Dashboard:
         now = time.monotonic()
         if self._ledger_cache and now - self._ledger_cache[0] < LEDGER_CACHE_S:
             return self._ledger_cache[1]
-        if self.gw.accounting.ledger is None:  # switched off: the panels stay empty
+        if self.accounting.ledger is None:  # switched off: the panels stay empty
             return {"spend": [], "success": [], "routes": []}
-        ledger = await self.gw.accounting.flushed_ledger()
+        ledger = await self.accounting.flushed_ledger()
         spend = await ledger.usage(("key_id", "team"))
         success = await ledger.success(("weight_version",))
         routes = await ledger.usage(("route",))
@@ -118,7 +117,7 @@ class Dashboard:
     async def data(self) -> dict[str, Any]:
         if not self.history or time.time() - self.history[-1]["t"] > 1.0:
             self.sample()
-        acc = self.gw.accounting
+        acc = self.accounting
         mix: dict[str, dict[str, Any]] = {}
         for (tier, _model), t in acc.totals.items():
             m = mix.setdefault(tier, {"requests": 0, "tokens": 0, "revenue_usd": 0.0})
@@ -136,7 +135,7 @@ class Dashboard:
         """Per workload class: the fast tier's output tokens per request-second over the standard
         tier's, next to what fast requests were billed over the standard price of the same tokens
         (1.0 when the gateway served them on a plain replica)."""
-        speeds = self.gw.accounting.speeds
+        speeds = self.accounting.speeds
         rows = []
         for (tier, cls), s in sorted(speeds.items()):
             if tier != FAST:
@@ -152,18 +151,18 @@ class Dashboard:
         return rows
 
 
-def build_dashboard_router(gw: "Gateway", dashboard: Dashboard) -> APIRouter:
+def build_dashboard_router(dashboard: Dashboard, require_keys: bool, admin: Callable[[Request], None]) -> APIRouter:
     page = resources.files("yieldgate.gateway").joinpath("static/dashboard.html").read_bytes()
 
     def credential(request: Request) -> None:
-        if not gw.config.server.require_keys:
+        if not require_keys:
             return
         token = request.query_params.get("token")
         if token is not None:
-            if not gw.accounting.is_admin_token(token):
+            if not dashboard.accounting.is_admin_token(token):
                 raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
             return
-        gw.require_admin(request)
+        admin(request)
 
     router = APIRouter(dependencies=[Depends(credential)])
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import InvalidRequest
+from .errors import AuthenticationError, InvalidRequest
 
 # Money is encoded as JSON numbers printed from the exact Decimals.
 ENCODER = msgspec.json.Encoder(decimal_format="number")
@@ -27,6 +28,21 @@ async def decode_body(request: Request, type_: type) -> Any:
         raise InvalidRequest(str(exc), code="invalid_value") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+class AdminCheck(Protocol):
+    """What tells the admin credential (gateway/accounting.py `Accounting`)."""
+
+    def is_admin_token(self, token: str) -> bool: ...
+
+
+def admin_only(check: AdminCheck) -> Callable[[Request], None]:
+    """The FastAPI dependency of the admin routes: 401 unless the request carries the admin token."""
+    def require_admin(request: Request) -> None:
+        if not check.is_admin_token(bearer_token(request.headers.get("authorization"))):
+            raise AuthenticationError("Admin credential required.", code="invalid_admin_token")
+
+    return require_admin
 
 
 def bearer_token(authorization: str | None) -> str:

@@ -1,7 +1,6 @@
-"""What every inference request goes through before routing, whether the gateway proxies it
-(gateway/proxy.py) or an Envoy in front of the engines asks the endpoint picker where to send it
-(gateway/picker.py): validate the body, resolve model and tier, open its RequestContext, and the
-bytes to send upstream.
+"""What every inference request goes through before routing (the first step of the pipeline in
+gateway/exchange.py, whichever front door it came in by): validate the body, resolve model and
+tier, open its RequestContext, and the bytes to send upstream.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from yieldgate.pricing import ApiKey
 from yieldgate.serving.adapters import Adapters
 
 from .apis import APIS
-from .config import LimitsConfig
+from .config import RequestLimits
 from .context import RequestContext
 from .errors import InvalidRequest, ModelNotFound, param_from_msgspec
 from .tiers import resolve_tier
@@ -36,7 +35,7 @@ class Intake:
     ctx: RequestContext
 
 
-def parse_request(kind: str, body: bytes, limits: LimitsConfig) -> tuple[dict[str, Any], Any]:
+def parse_request(kind: str, body: bytes, limits: RequestLimits) -> tuple[dict[str, Any], Any]:
     """The body as a dict and as the API's typed request; InvalidRequest (400) when it is not one."""
     if not body:
         raise InvalidRequest("Request body is empty; expected a JSON object.")
@@ -74,7 +73,7 @@ def parse_request(kind: str, body: bytes, limits: LimitsConfig) -> tuple[dict[st
 
 
 def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKey | None,
-                 served_model: str, limits: LimitsConfig, started: float | None = None,
+                 served_model: str, limits: RequestLimits, started: float | None = None,
                  adapters: Adapters | None = None) -> Intake:
     """Parse the body, resolve model and tier (404 for a model the fleet does not serve, nor a
     LoRA adapter of `adapters`) and open the request's context. `headers` are the raw request

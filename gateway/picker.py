@@ -1,20 +1,19 @@
 """The endpoint picker: the gateway's request path for an Envoy that proxies the bytes itself.
 
 Envoy's `ext_proc` filter streams each request to `yieldgate picker` over gRPC (the Gateway API
-Inference Extension's endpoint-picker protocol). The picker authenticates, validates, resolves the
-tier, admits (rate limits, budget reservation), tokenizes and routes exactly as the gateway does
-(gateway/intake.py, gateway/routing.py, gateway/accounting.py) and answers with the chosen engine
-in the `x-gateway-destination-endpoint` header and `envoy.lb` dynamic metadata; Envoy's
-ORIGINAL_DST cluster connects there. Refusals are immediate responses in the route's own error
-shape (429 over budget or rate, 503 with no healthy replica). The response comes back through the
-picker: a unary answer buffered, decorated with tier and cost as the gateway does and billed; a
-stream chunk by chunk, billed from its final usage event. See docs/picker.md.
+Inference Extension's endpoint-picker protocol). The picker is a transport over the gateway's own
+request pipeline (gateway/exchange.py): it authenticates, validates, resolves the tier, admits
+(rate limits, budget reservation), tokenizes and routes with the same Exchange the gateway's proxy
+uses, and answers with the chosen engine in the `x-gateway-destination-endpoint` header and
+`envoy.lb` dynamic metadata; Envoy's ORIGINAL_DST cluster connects there. Refusals are immediate
+responses in the route's own error shape (429 over budget or rate, 503 with no healthy replica).
+The response comes back through the picker: a unary answer buffered, decorated with tier and cost
+and billed; a stream chunk by chunk, billed from its final usage event. See docs/picker.md.
 
 A Responses follow-up (`previous_response_id`) goes to the replica that stored the earlier response
-and a request for a LoRA adapter only to replicas holding its version, as in the gateway
-(gateway/affinity.py, Routing.targets); the picker places the adapters of its config ([picker]
-adapters) itself. Not served here: the admin API, dashboard and weight rollouts, which stay with
-`yieldgate gateway`.
+and a request for a LoRA adapter to replicas holding its version (loaded on demand as in the
+gateway); the picker places the adapters of its config ([picker] adapters) itself. Not served
+here: the admin API, dashboard and weight rollouts, which stay with `yieldgate gateway`.
 """
 
 from __future__ import annotations
@@ -34,31 +33,25 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from yieldgate.cache import RouteRequest
 from yieldgate.serving.adapters import AdapterLoadFailed, Adapters
 from yieldgate.serving.fleet import Fleet
 
 from .accounting import Accounting
 from .adapters import adapter_cards
-from .affinity import ResponseAffinity
-from .apis import ANTHROPIC, APIS, ROUTES, Api
+from .apis import APIS, ROUTES, Api
 from .config import Config, PickerAdapter
-from .context import RequestContext
-from .errors import APIError, InternalError, NotFound
-from .intake import open_request, upstream_payload
-from .limits import StreamLease, StreamLimiter, stream_owner
+from .errors import APIError, InternalError, NotFound, UpstreamError
+from .exchange import Exchange, Pipeline
 from .metrics import GatewayMetrics
-from .relay import StreamRelay
 from .responses import yieldgate_headers
 from .routing import Routing
-from .schemas import ChatShaped, ModelCard, ModelList
+from .schemas import ModelCard, ModelList
 
 log = logging.getLogger("yieldgate.picker")
 
 ADAPTER_RETRY_S = 5.0   # an adapter no engine could load at start is tried again this often
 DESTINATION = "x-gateway-destination-endpoint"   # header and envoy.lb metadata key (the protocol's)
 METADATA_NAMESPACE = "envoy.lb"
-_decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
 _BUFFERED = pb.ProcessingResponse(
     response_headers=pb.HeadersResponse(),
@@ -87,33 +80,27 @@ def _refusal(api: Api, exc: APIError) -> pb.ProcessingResponse:
 
 
 @dataclass(slots=True)
-class Exchange:
-    """One routed request, from the pick to the last byte of its answer."""
+class Routed:
+    """One routed request as Envoy streams its answer back: the Exchange (gateway/exchange.py)
+    seen through ext_proc's response messages."""
 
-    picker: "Picker"
-    api: Api
-    ctx: RequestContext
+    exchange: Exchange
     endpoint: str                  # host:port of the chosen engine
-    want_usage: bool
-    billed: bool = True            # count_tokens generates nothing and is not billed
-    lease: StreamLease | None = None
     status: int = 0
     buffered: bool = False
-    relay: StreamRelay | None = None   # a streamed answer's pass-through and bill (gateway/relay.py)
-    ended: bool = False
-    stored: Any = None             # a Responses answer the engine stored, to record where it is
-    remembered: bool = False       # a stream's stored answer was taken once
 
     def response_headers(self, status: int) -> pb.ProcessingResponse:
         """The engine's status line is in: label the answer; a unary 200 is buffered for its usage."""
         self.status = status
-        ctx = self.ctx
-        ctx.first_byte()
-        self.picker.routing.first_token(ctx)
+        exchange = self.exchange
+        ctx = exchange.ctx
+        exchange.answered()
         self.buffered = status == 200 and not ctx.stream
         if status != 200:
             # The engine's error body (OpenAI- or Anthropic-shaped already) goes to the client as is.
-            self.end(f"upstream_{status}")
+            exchange.end(f"upstream_{status}")
+        elif ctx.stream:
+            exchange.stream()
         if self.buffered:
             return _BUFFERED  # headers are sent with the decorated body, cost header included
         headers = yieldgate_headers(ctx)
@@ -125,63 +112,35 @@ class Exchange:
     def response_body(self, data: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
         if self.buffered:
             return self._unary(data)
-        out = self._relay(data, end_of_stream) if self.status == 200 and self.ctx.stream else _SKIP
+        out = self._relay(data, end_of_stream) if self.status == 200 and self.exchange.ctx.stream else _SKIP
         common = pb.CommonResponse() if out is _SKIP else \
             pb.CommonResponse(body_mutation=pb.BodyMutation(body=out))  # type: ignore[arg-type]
         return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
 
     def _unary(self, data: bytes) -> pb.ProcessingResponse:
-        """The whole answer: bill its usage, add tier and cost to it (as the gateway does)."""
-        ctx, api = self.ctx, self.api
-        self.picker.routing.done(ctx)
+        """The whole answer: billed, with tier and cost added (as the gateway does)."""
+        exchange = self.exchange
+        exchange.try_over()
         try:
-            answer = _decode(data)
-            usage = api.usage(answer)
-        except (msgspec.DecodeError, AttributeError, TypeError):
-            self.end("error")
+            answer = exchange.answer(data)
+        except UpstreamError:  # unreadable: billed as an error, passed on as the engine sent it
             return pb.ProcessingResponse(response_body=pb.BodyResponse())
-        extra: dict[str, Any] = {}
-        if self.billed:
-            extra = self.picker.accounting.finish(ctx, usage, "ok")
-            api.decorate(answer, ctx, usage, extra)
-            data = _encode(answer)
-        self.stored = answer
-        self.end("ok")
-        headers = [(b"content-length", b"%d" % len(data)), *yieldgate_headers(ctx)]
+        headers = [(b"content-length", b"%d" % len(answer)), *yieldgate_headers(exchange.ctx)]
         return pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=_header_options(headers)),
-            body_mutation=pb.BodyMutation(body=data))))
+            body_mutation=pb.BodyMutation(body=answer))))
 
     def _relay(self, data: bytes, end_of_stream: bool) -> bytes | object:
         """A stream chunk, passed through and billed as the gateway's relay does (gateway/relay.py)."""
-        if self.relay is None:
-            self.relay = StreamRelay(self.api, self.ctx, self.picker.accounting, self.want_usage,
-                                     self.picker.routing.tokenizer)
-        out = self.relay.feed(data)
-        if self.relay.final is not None and not self.remembered:
-            self.remembered = True  # where a follow-up goes: recorded by Process before the answer goes on
-            self.stored = self.relay.final.get("response")
+        exchange = self.exchange
+        out = exchange.feed(data)
         if end_of_stream:
-            out += self.relay.close()
-            self.end(self.ctx.status)
+            out += exchange.close_stream()
+            exchange.end(exchange.ctx.status)
         return _SKIP if out == data else out
 
-    def end(self, status: str) -> None:
-        """Once per request, however it ended (a client that leaves cancels the gRPC stream)."""
-        if self.ended:
-            return
-        self.ended = True
-        if self.lease is not None:
-            self.lease.release()
-        self.picker.let_go(self.ctx)
-        self.picker.routing.done(self.ctx)
-        if self.relay is not None:
-            self.relay.end(status)
-        elif self.billed:
-            self.picker.accounting.finish(self.ctx, None, status)
 
-
-class Picker:
+class EndpointPicker:
     """The gateway's fleet, routing and accounting, answering Envoy instead of proxying."""
 
     def __init__(self, config: Config):
@@ -190,16 +149,15 @@ class Picker:
         self.fleet = Fleet(config.fleet)
         self.routing = Routing(config, self.fleet)
         self.accounting = Accounting(config, self.metrics, self.fleet)
-        self.streams = StreamLimiter(config.limits.streams_per_key)
         self.adapters = Adapters(self.fleet)
-        self.affinity = ResponseAffinity(config.fleet.model)
+        self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
         self._placing: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.fleet.start()
         await self.accounting.start()
         await self.routing.start()
-        self.affinity.attach(self.accounting.redis)
+        self.pipeline.start()
         waiting = [a for a in self.config.picker.adapters if not await self._place(a)]
         if waiting:
             self._placing = asyncio.create_task(self._place_later(waiting))
@@ -228,68 +186,23 @@ class Picker:
         await self.accounting.close()
         await self.fleet.close()
 
-    def _failover(self, requested: str, served_by: str) -> None:
-        self.metrics.failovers.labels(requested, served_by).inc()
-
-    def let_go(self, ctx: RequestContext) -> None:
-        """The request no longer needs its adapter version on the engines (once per request)."""
-        if ctx.adapter_held:
-            ctx.adapter_held = False
-            self.adapters.release(ctx.adapter)
-
-    async def pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Exchange, bytes]:
-        """Admit and route one request; -> its exchange and the bytes to send the engine.
+    async def pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Routed, bytes]:
+        """Admit and route one request; -> its answer's state and the bytes to send the engine.
         Raises APIError for a refusal."""
         started = time.perf_counter()
-        authorization = headers.get(b"authorization")
-        if kind in ANTHROPIC and b"x-api-key" in headers:  # how Anthropic's clients send the key
-            authorization = b"Bearer " + headers[b"x-api-key"]
-        key = await self.accounting.authenticate_header(authorization)
-        if len(body) > self.config.limits.max_body_bytes:
-            raise APIError(f"Request body exceeds {self.config.limits.max_body_bytes} bytes.",
-                           status=413, code="payload_too_large")
-        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started,
-                              adapters=self.adapters)
-        ctx, typed, api = intake.ctx, intake.typed, APIS[kind]
-        if kind == "count_tokens":
-            ctx.route = RouteRequest()
-            payload = upstream_payload(intake, body)
-            return Exchange(self, api, ctx, self._route(ctx, await self._candidates(ctx)), True, billed=False), payload
-        # A follow-up whose stored response is gone is refused before admission: nothing billed.
-        await self.affinity.pin(ctx, self.fleet)
-        if ctx.adapter is not None:
-            # Held until the request is over: a version bump unloads the old version only then.
-            ctx.adapter_held = True
-            self.adapters.acquire(ctx.adapter)
-        lease = None
+        pipeline = self.pipeline
+        key = await pipeline.authenticate(kind, headers)
+        pipeline.check_size(len(body))
+        exchange = pipeline.open(kind, headers, body, key, started)
         try:
-            await self.accounting.admit(ctx)
-            ctx.route = self.routing.prepare(ctx, {"messages": typed.chat_messages()}
-                                             if isinstance(typed, ChatShaped) else intake.raw)
-            payload = upstream_payload(intake, body)
-            if typed.stream:
-                lease = self.streams.acquire(stream_owner(ctx.key, _client_address(headers)))
-            endpoint = self._route(ctx, await self._candidates(ctx))
+            await exchange.admit(_client_address(headers))
+            replica = await exchange.route()
+            if replica is None:
+                raise exchange.no_replica()
         except BaseException:
-            if lease is not None:
-                lease.release()
-            self.let_go(ctx)
-            if not ctx.finished:
-                self.accounting.finish(ctx, None, "error")
+            exchange.end("error")
             raise
-        return Exchange(self, api, ctx, endpoint, typed.shows_usage, lease=lease), payload
-
-    async def _candidates(self, ctx: RequestContext) -> list[Any]:
-        candidates = await self.routing.targets(ctx, set(), self._failover, self.adapters)
-        if not candidates:
-            raise self.routing.no_replica(ctx)
-        return candidates
-
-    def _route(self, ctx: RequestContext, candidates: list[Any]) -> str:
-        decision = self.routing.pick(ctx, ctx.route, candidates)
-        ctx.bind(decision.replica, decision.predicted_cached_tokens)
-        self.routing.sent(ctx, decision)
-        return _host_port(decision.replica.url)
+        return Routed(exchange, _host_port(replica.url)), exchange.payload()
 
     def models(self) -> bytes:
         name = self.config.fleet.model
@@ -330,7 +243,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request: request headers, buffered request body, response
     headers, response body (buffered for a unary answer, chunks for a stream)."""
 
-    def __init__(self, picker: Picker):
+    def __init__(self, picker: EndpointPicker):
         self.picker = picker
 
     async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
@@ -338,7 +251,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         headers: dict[bytes, bytes] = {}
         kind: str | None = None
         body: list[bytes] = []
-        exchange: Exchange | None = None
+        routed: Routed | None = None
         try:
             async for req in requests:
                 which = req.WhichOneof("request")
@@ -362,40 +275,39 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     assert kind is not None
                     whole = body[0] if len(body) == 1 else b"".join(body)
                     try:
-                        exchange, payload = await self.picker.pick(kind, headers, whole)
+                        routed, payload = await self.picker.pick(kind, headers, whole)
                     except APIError as exc:
                         self.picker.metrics.rejections.labels(exc.code or exc.type).inc()
                         yield _refusal(APIS[kind], exc)
                         return
-                    yield _routed(exchange.endpoint, payload, whole)
-                elif which == "response_headers" and exchange is not None:
+                    yield _routed(routed.endpoint, payload, whole)
+                elif which == "response_headers" and routed is not None:
                     status = next((int(h.raw_value or h.value) for h in req.response_headers.headers.headers
                                    if h.key == ":status"), 0)
-                    yield exchange.response_headers(status)
-                elif which == "response_body" and exchange is not None:
-                    out = exchange.response_body(req.response_body.body, req.response_body.end_of_stream)
-                    if exchange.stored is not None and exchange.ctx.kind == "responses":
+                    yield routed.response_headers(status)
+                elif which == "response_body" and routed is not None:
+                    out = routed.response_body(req.response_body.body, req.response_body.end_of_stream)
+                    if routed.exchange.stored is not None:
                         # Recorded before the answer goes on, so a follow-up naming it finds it.
-                        await self.picker.affinity.remember(exchange.ctx, exchange.stored)
-                        exchange.stored = None
+                        await routed.exchange.remember()
                     yield out
                 else:  # trailers, which the filter config does not send
                     yield _continue(which)
         except Exception:
             log.exception("endpoint picker failed on a request")
-            if kind is not None and exchange is None:
+            if kind is not None and routed is None:
                 yield _refusal(APIS[kind], InternalError("Internal endpoint-picker error."))
         finally:
-            if exchange is not None:
-                exchange.end("aborted")  # no-op unless the client or Envoy left before the end
+            if routed is not None:
+                routed.exchange.end("aborted")  # no-op unless the client or Envoy left before the end
 
     async def _pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> pb.ProcessingResponse:
         """A POST without a body: refused, by authentication or by validation (400)."""
         try:
-            exchange, _ = await self.picker.pick(kind, headers, body)
+            routed, _ = await self.picker.pick(kind, headers, body)
         except APIError as exc:
             return _refusal(APIS[kind], exc)
-        exchange.end("error")  # validation refuses an empty body; never routed without one
+        routed.exchange.end("error")  # validation refuses an empty body; never routed without one
         return _refusal(APIS[kind], InternalError("Request has no body."))
 
     def _not_inference(self, headers: dict[bytes, bytes], path: str) -> pb.ProcessingResponse:
@@ -416,12 +328,12 @@ def _continue(which: str | None) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(**{which: pb.BodyResponse()}) if which else pb.ProcessingResponse()
 
 
-async def start(config: Config) -> tuple[Picker, grpc.aio.Server]:
+async def start(config: Config) -> tuple[EndpointPicker, grpc.aio.Server]:
     """The picker started (fleet health checks, routing state, ledger) behind its gRPC server:
     the ext_proc service and gRPC health (`grpc.health.v1`, as the protocol asks)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    picker = Picker(config)
+    picker = EndpointPicker(config)
     await picker.start()
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
@@ -440,7 +352,7 @@ async def start(config: Config) -> tuple[Picker, grpc.aio.Server]:
     return picker, server
 
 
-async def stop(picker: Picker, server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+async def stop(picker: EndpointPicker, server: grpc.aio.Server, grace_s: float = 5.0) -> None:
     await server.stop(grace_s)
     await picker.close()
 

@@ -1,5 +1,5 @@
 """One stream on its way from an engine to a client, and its bill: the one billing rule for the
-gateway's proxy (gateway/proxy.py) and the endpoint picker (gateway/picker.py).
+request pipeline (gateway/exchange.py), behind the proxy and the endpoint picker alike.
 
 Events pass through as they arrive; only the event with the final usage is decoded, billed, and
 rewritten with tier and cost (or dropped when the client did not ask for usage: the gateway asked

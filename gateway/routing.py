@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 
 from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
                    Router, RouterConfig, SharedPrefixIndex, Tokenizer, lora_extra_keys, pack_tokens)
-from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.config import TierConfig
 from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.redis_link import reachable_redis
@@ -182,20 +181,17 @@ class Routing:
         router = self.routers.get(tier)
         return router is not None and router.scores_adapters
 
-    async def targets(self, ctx: RequestContext, failed: set[str], on_failover: Callable[[str, str], None],
-                      adapters: Adapters | None = None) -> list[Replica]:
+    async def targets(self, ctx: RequestContext, failed: set[str],
+                      on_failover: Callable[[str, str], None]) -> list[Replica]:
         """Where a try may go: a Responses follow-up only to the replica that stored its previous
-        response (`ctx.pinned`; 404 once that one failed or left), an adapter request only to
-        replicas holding its version, anything else to `candidates`."""
+        response (`ctx.pinned`; 404 once that one failed or left), anything else to `candidates`."""
         if ctx.pinned is not None:
             if ctx.pinned.name in failed or not ctx.pinned.routable:
                 raise PreviousResponseNotFound(
                     f"Previous response not found: replica {ctx.pinned.name}, which stored it, "
                     "failed.", param="previous_response_id")
             return [ctx.pinned]
-        adapter = ctx.adapter
-        holds = (lambda r: adapters.holds(adapter, r)) if adapter is not None and adapters is not None else None
-        return await self.candidates(ctx, failed, on_failover, holds)
+        return await self.candidates(ctx, failed, on_failover)
 
     def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
         """The 503 for a request that nothing in its tier or fallback tier can serve."""

@@ -188,6 +188,10 @@ class CountTokensRequest(_AnthropicCommon, kw_only=True):
         return False
 
     @property
+    def shows_usage(self) -> bool:
+        return True  # nothing streams: the client's bytes go upstream unless the model name changes
+
+    @property
     def user(self) -> str | None:
         return None
 

@@ -15,15 +15,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from yieldgate.serving.config import home_dir
+from yieldgate.serving.fleet import Fleet
 from yieldgate.trainer_bridge import orchestrator
 from yieldgate.trainer_bridge.errors import (
     REFUSALS,
@@ -38,8 +39,6 @@ from yieldgate.trainer_bridge.schemas import RESERVED_VERSIONS, PushAnnounce, Ro
 from .errors import APIError, InvalidRequest, NotFound
 from .http import decode_body, json_response
 
-if TYPE_CHECKING:
-    from .app import Gateway
 
 
 class Conflict(APIError):
@@ -63,18 +62,17 @@ def _as_http() -> Iterator[None]:
                                                           code=exc.code) from None
 
 
-class WeightOrchestrator(orchestrator.WeightOrchestrator):
-    """The orchestrator over this gateway's fleet, prefix index and model."""
+def weight_orchestrator(fleet: Fleet, forget_cached: Callable[[str], None]) -> orchestrator.WeightOrchestrator:
+    """The orchestrator over this gateway's fleet and model; `forget_cached(replica)` when a
+    replica's engine drops its prefix cache."""
+    fleet_config = fleet.config
 
-    def __init__(self, gw: "Gateway") -> None:
-        fleet_config = gw.config.fleet
+    def model_dir() -> str:
+        from yieldgate.serving.models import ensure_model
+        return str(ensure_model(fleet_config.model_path, fleet_config.demo_model))
 
-        def model_dir() -> str:
-            from yieldgate.serving.models import ensure_model
-            return str(ensure_model(fleet_config.model_path, fleet_config.demo_model))
-
-        super().__init__(gw.fleet, root=home_dir() / "weights", model=fleet_config.model,
-                         model_dir=model_dir, forget_cached=gw.routing.forget_cached)
+    return orchestrator.WeightOrchestrator(fleet, root=home_dir() / "weights", model=fleet_config.model,
+                                           model_dir=model_dir, forget_cached=forget_cached)
 
 
 def _engine_error(exc: Exception) -> Response:
@@ -90,9 +88,8 @@ def _check_version(version: str | None) -> None:
         raise InvalidRequest(f"version {version!r} is reserved", param="version")
 
 
-def build_weights_admin_routes(router: APIRouter, gw: "Gateway") -> None:
+def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrchestrator) -> None:
     """Mount the admin half on the (admin-authenticated) /admin router."""
-    orch: WeightOrchestrator = gw.weights
 
     @router.get("/weights")
     async def weights_status() -> Response:
@@ -162,12 +159,11 @@ def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:
     return {"engines": engines, "push_token": intake.token}
 
 
-def build_intake_router(gw: "Gateway") -> APIRouter:
+def build_intake_router(orch: orchestrator.WeightOrchestrator) -> APIRouter:
     """The engine-shaped push intakes. No admin credential: the push token authenticates.
 
     `/weights/intake/<id>/...` receives into the gateway; `/weights/intake/<id>/engine/<name>/...`
     (fan-out) hands the stream to that engine. Both serve the same calls."""
-    orch: WeightOrchestrator = gw.weights
     router = APIRouter(prefix="/weights/intake/{rollout_id}", include_in_schema=False)
 
     async def body(request: Request) -> dict[str, Any]:

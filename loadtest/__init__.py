@@ -6,7 +6,7 @@
     print(result.summary.ttft_ms.p(99), result.summary.cost_per_1m_tokens)
 """
 
-from .client import OpenAIClient, Outcome
+from .client import OpenAIClient, RequestOutcome
 from .config import LoadTestConfig, run_config
 from .engine_metrics import EngineDelta, EngineMetricsError
 from .load import Bounds, ConcurrencyLoad, Load, PoissonLoad, ReplayLoad, SweepLoad
@@ -36,8 +36,8 @@ from .workload import (
 
 __all__ = [
     "AdapterWorkload", "AgentSessionWorkload", "AgentToolsWorkload", "Bounds", "CacheSalt", "CodeEditWorkload", "ConcurrencyLoad", "Distribution",
-    "EngineDelta", "EngineMetricsError", "Load", "LoadTestConfig", "OpenAIClient", "Outcome", "PoissonLoad", "Price", "PriceTable",
-    "RandomLengthWorkload", "ReplayLoad", "RequestRecord", "RunResult", "Runner", "SSEDecoder", "SSEEvent",
+    "EngineDelta", "EngineMetricsError", "Load", "LoadTestConfig", "OpenAIClient", "PoissonLoad", "Price", "PriceTable",
+    "RandomLengthWorkload", "ReplayLoad", "RequestOutcome", "RequestRecord", "RunResult", "Runner", "SSEDecoder", "SSEEvent",
     "Session", "SharedPrefixWorkload", "Summary", "SweepLoad", "Target", "ToolCall", "TraceWorkload", "Turn", "WIRES", "Wire", "WireUsage", "Workload",
     "WorkloadError", "arun_compare", "arun_load", "distribution", "goodput", "meets_slo", "percentile",
     "print_summary", "ratios", "run_compare", "run_config", "run_load", "summarize", "throughput_windows", "turn_order",

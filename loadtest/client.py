@@ -17,7 +17,7 @@ from .wire import WIRES, BadAnswer, WireUsage, error_message
 _encode = msgspec.json.Encoder().encode
 
 
-class Outcome(msgspec.Struct, kw_only=True):
+class RequestOutcome(msgspec.Struct, kw_only=True):
     """Raw timing of one HTTP exchange (perf_counter seconds)."""
 
     start: float
@@ -87,9 +87,9 @@ class OpenAIClient:
             body.update(extra)
         return _encode(body)
 
-    async def send(self, body: bytes) -> Outcome:
+    async def send(self, body: bytes) -> RequestOutcome:
         assert self._session is not None, "use `async with OpenAIClient(...)`"
-        out = Outcome(start=time.perf_counter())
+        out = RequestOutcome(start=time.perf_counter())
         try:
             async with self._session.post(self._url, data=body) as resp:
                 out.status = resp.status
@@ -119,13 +119,13 @@ class OpenAIClient:
         out.end = time.perf_counter()
         return out
 
-    def _read_body(self, raw: bytes, out: Outcome) -> None:
+    def _read_body(self, raw: bytes, out: RequestOutcome) -> None:
         try:
             out.text, out.usage = self.wire.answer(raw)
         except BadAnswer as exc:
             out.error, out.error_detail = "response_error", str(exc)
 
-    async def _read_stream(self, resp: aiohttp.ClientResponse, out: Outcome) -> None:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, out: RequestOutcome) -> None:
         decoder = SSEDecoder()
         parts: list[str] = []
         times = out.token_times
@@ -141,7 +141,7 @@ class OpenAIClient:
         if out.error is None and not done:
             out.error, out.error_detail = "incomplete_stream", "stream ended without its end event"
 
-    def _event(self, name: str, data: bytes, now: float, parts: list[str], times: list[float], out: Outcome) -> bool:
+    def _event(self, name: str, data: bytes, now: float, parts: list[str], times: list[float], out: RequestOutcome) -> bool:
         if name == "error":
             try:
                 detail = self.wire.event(name, data).error

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from . import engine_metrics
-from .client import OpenAIClient, Outcome
+from .client import OpenAIClient, RequestOutcome
 from .load import Bounds, ConcurrencyLoad, Load, PoissonLoad, ReplayLoad, SweepLoad
 from .price import PriceTable
 from .record import RequestRecord
@@ -291,15 +291,15 @@ class Runner:
                 return  # an agent does not continue a conversation whose last call failed
             messages.append({"role": "assistant", "content": out.text})
 
-    async def _send(self, body: bytes) -> Outcome:
+    async def _send(self, body: bytes) -> RequestOutcome:
         try:
             return await self._client.send(body)
         except asyncio.CancelledError:
             now = time.perf_counter()
-            return Outcome(start=now, end=now, error="cancelled", error_detail="still running at drain timeout")
+            return RequestOutcome(start=now, end=now, error="cancelled", error_detail="still running at drain timeout")
 
     def _record(self, phase: _Phase, session: Session, turn: int, slot: tuple[int, bool], scheduled: float,
-                est: int, out: Outcome) -> RequestRecord:
+                est: int, out: RequestOutcome) -> RequestRecord:
         t0 = phase.t0
         rec = RequestRecord(
             id=slot[0], target=self.target.label, session=session.id, turn=turn, group=session.group,

@@ -1,6 +1,6 @@
 """Where the adapter registry and per-replica residency live, so that gateways agree on them.
 
-`LocalStore`: one gateway's memory (and `asyncio` locks). `RedisStore`: a Redis hash of
+`LocalAdapterStore`: one gateway's memory (and `asyncio` locks). `RedisAdapterStore`: a Redis hash of
 registry entries (name -> the adapter without its placements), a hash of residency entries
 (`name \\t engine name \\t replica` -> placement, written field by field so gateways that load
 different adapters never overwrite each other), a hash of last-use times for LRU unloading, and
@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 import msgspec
@@ -29,6 +30,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("yieldgate.adapters")
 
 LOCK_S = 300.0   # a lock's lease: longer than any engine load, released early by its holder
+
+
+LOADING, RESIDENT, FAILED, UNLOADING = "loading", "resident", "failed", "unloading"
+
+
+def engine_name(name: str, version: str) -> str:
+    return f"{name}@{version}"
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRoute:
+    """What a request for an adapter carries: the version it was bound to when it arrived."""
+
+    name: str
+    version: str
+    path: str                     # where the engines loaded it from (part of vLLM's block hashes)
+
+    @property
+    def engine_name(self) -> str:
+        return engine_name(self.name, self.version)
+
+    @property
+    def label(self) -> str:
+        """How responses and the ledger name what produced them."""
+        return self.engine_name
 
 
 # The registry's records, as stored (msgpack) and as served by GET /admin/adapters.
@@ -47,7 +73,7 @@ class Placement(msgspec.Struct):
     engine_started: float = 0.0
 
 
-class Canary(msgspec.Struct):
+class AdapterCanary(msgspec.Struct):
     """A share of an adapter's requests sent to a new version before it is promoted."""
 
     version: str
@@ -65,7 +91,7 @@ class Adapter(msgspec.Struct):
     history: list[str] = []       # versions that were current, oldest first: rollback steps back
     # engine name (name@version) -> replica -> placement
     placements: dict[str, dict[str, Placement]] = {}
-    canary: Canary | None = None  # a version on trial next to `current`
+    canary: AdapterCanary | None = None  # a version on trial next to `current`
 
     def version(self, version: str) -> AdapterVersion | None:
         return next((v for v in self.versions if v.version == version), None)
@@ -103,7 +129,7 @@ class AdapterStore(Protocol):
     async def close(self) -> None: ...
 
 
-class LocalStore:
+class LocalAdapterStore:
     shared = False
 
     def __init__(self) -> None:
@@ -140,7 +166,7 @@ class LocalStore:
         pass
 
 
-class RedisStore:
+class RedisAdapterStore:
     shared = True
 
     def __init__(self, client: "aioredis.Redis", prefix: str):
@@ -218,5 +244,5 @@ async def open_store(redis_url: str, model: str) -> AdapterStore:
 
     client = await reachable_redis(redis_url, "the adapter registry", socket_timeout=5)
     if client is None:
-        return LocalStore()
-    return RedisStore(client, f"yg:adapters:{model}:")
+        return LocalAdapterStore()
+    return RedisAdapterStore(client, f"yg:adapters:{model}:")

@@ -1,4 +1,6 @@
-"""LoRA adapters as post-trained weights: names, versions, and which replica holds which version.
+"""LoRA adapters as post-trained weights: the registry of adapters and their versions, kept in
+step with other gateways, and the control plane over it (push, canary, promote, rollback, remove).
+Where each version is resident and the requests running on it are serving/adapter_slots.py.
 
 Every version of an adapter is loaded into the engines under a name of its own, `name@version`,
 and a request is sent to the engine under that name. A version bump loads the new version next
@@ -23,18 +25,20 @@ import logging
 import re
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass
 from typing import Iterable
 
 import msgspec
 
-from yieldgate.cache.scorers import adapter_affinity
-
-from .adapter_store import Adapter, AdapterStore, AdapterVersion, Canary, LocalStore, Placement
+from .adapter_slots import AdapterError, AdapterSlots, AdapterUnavailable, SlotsBusy, same_engine
+from .adapter_store import (RESIDENT, Adapter, AdapterCanary, AdapterRoute, AdapterStore, AdapterVersion,
+                            LocalAdapterStore, Placement, engine_name)
 from .config import LoraConfig
 from .fleet import Fleet, Replica
-from .lora import LoraClient, LoraEngineError
+from .lora import LoraClient
+
+# What callers import from here: the registry's names and the request path's.
+__all__ = ["AdapterConflict", "AdapterError", "AdapterLoadFailed", "AdapterRoute", "AdapterSlots", "AdapterUnavailable",
+           "Adapters", "SlotsBusy", "UnknownAdapter", "engine_name"]
 
 log = logging.getLogger("yieldgate.adapters")
 
@@ -45,19 +49,6 @@ RETIRE_WAIT_S = 600.0
 # just before its read to reach the engine's running/waiting counts.
 UNLOAD_GRACE_S = 0.1
 
-LOADING, RESIDENT, FAILED, UNLOADING = "loading", "resident", "failed", "unloading"
-
-
-class AdapterError(Exception):
-    """An adapter operation refused; `status` and `code` for the admin API's answer."""
-
-    status = 400
-    code = "invalid_adapter"
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
 
 class UnknownAdapter(AdapterError):
     status, code = 404, "adapter_not_found"
@@ -67,47 +58,15 @@ class AdapterConflict(AdapterError):
     status, code = 409, "adapter_conflict"
 
 
-class AdapterUnavailable(AdapterError):
-    """A request's adapter could not be loaded on any replica in time: retry later."""
-
-    status, code = 503, "adapter_unavailable"
-
-
-class SlotsBusy(AdapterUnavailable):
-    """Every slot of a replica holds an adapter with a request in flight there: one frees when
-    such a request ends."""
-
-
 class AdapterLoadFailed(AdapterError):
     """An engine refused the version (missing, unreadable or malformed adapter): nothing changed."""
 
     status, code = 422, "adapter_load_failed"
 
 
-def engine_name(name: str, version: str) -> str:
-    return f"{name}@{version}"
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterRoute:
-    """What a request for an adapter carries: the version it was bound to when it arrived."""
-
-    name: str
-    version: str
-    path: str                     # where the engines loaded it from (part of vLLM's block hashes)
-
-    @property
-    def engine_name(self) -> str:
-        return engine_name(self.name, self.version)
-
-    @property
-    def label(self) -> str:
-        """How responses and the ledger name what produced them."""
-        return self.engine_name
-
-
 class Adapters:
-    """The fleet's adapters: registry, placement on replicas, version switches, rollback."""
+    """The fleet's adapters: the registry, version switches, canaries and rollback; `slots`: where
+    each version is resident and the requests running on it (serving/adapter_slots.py)."""
 
     def __init__(self, fleet: Fleet, client: LoraClient | None = None, store: AdapterStore | None = None,
                  instance_id: str = ""):
@@ -117,19 +76,13 @@ class Adapters:
         self.base = fleet.config.model
         self.lora: LoraConfig = fleet.config.lora
         self.client = client or LoraClient()
-        self.store: AdapterStore = store or LocalStore()
+        self.store: AdapterStore = store or LocalAdapterStore()
         self.adapters: dict[str, Adapter] = {}
-        self._inflight: Counter[str] = Counter()   # engine name -> requests sent to it, not over
-        self._on_replica: Counter[str] = Counter()  # "replica \t engine name" -> ... and to that replica
         self._routes: dict[str, AdapterRoute] = {}
-        self._used: dict[str, float] = {}          # "replica \t engine" -> last request (unix time)
-        self._touched: dict[str, float] = {}       # ... not written to the store yet
         self._writes = 0                           # local changes: a read begun before one is stale
-        self._tasks: set[asyncio.Task] = set()     # retiring versions, reloads after restarts, syncs
-        self._loads: dict[str, asyncio.Task] = {}  # engine name -> its load on demand
+        self._tasks: set[asyncio.Task] = set()     # retiring versions, syncs
         self._canary_counts: dict[tuple[str, float], list[int]] = {}  # requests, of which to the canary
-        fleet.on_restart.append(self.refill)
-        fleet.on_join.append(self._joined)
+        self.slots = AdapterSlots(self, fleet, self.client)
 
     async def start(self, store: AdapterStore) -> None:
         """Share the registry through `store` (read now, then every `lora.sync_s`)."""
@@ -142,10 +95,10 @@ class Adapters:
             self._spawn(self._sync_every(self.lora.sync_s))
 
     async def close(self) -> None:
-        tasks = self._tasks | set(self._loads.values())
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.slots.close()
         await self.client.close()
         with contextlib.suppress(Exception):
             await self.store.leave(self.instance)
@@ -168,8 +121,8 @@ class Adapters:
         """Take in what other gateways wrote (a read that overlapped a change of ours is dropped:
         the next one sees both)."""
         try:
-            if self._touched:
-                touched, self._touched = self._touched, {}
+            touched = self.slots.take_touched()
+            if touched:
                 await self.store.used(touched)
             writes = self._writes
             got = await self.store.read()
@@ -189,14 +142,17 @@ class Adapters:
         for name in set(self.adapters) - set(remote):
             del self.adapters[name]
             self._routes.pop(name, None)
-        for key, at in used.items():
-            self._used[key] = max(at, self._used.get(key, 0.0))
+        self.slots.merge_used(used)
         try:
             await self.store.seen(self.instance, version)  # applied: routes no longer see what it replaced
         except Exception as exc:  # noqa: BLE001 - the next sync says it again
             log.warning("adapter registry: could not record the version read: %s: %s", type(exc).__name__, exc)
 
-    async def _set(self, adapter: Adapter, engine: str, replica: str, placement: Placement | None) -> int:
+    def note_change(self) -> None:
+        """A local change not written yet: a read begun before it is stale."""
+        self._writes += 1
+
+    async def set_placement(self, adapter: Adapter, engine: str, replica: str, placement: Placement | None) -> int:
         """Change one residency entry here and in the store; returns the registry's version."""
         self._writes += 1
         if placement is None:
@@ -211,7 +167,7 @@ class Adapters:
         self._writes += 1
         return await self.store.save(adapter)
 
-    # -- the request path --------------------------------------------------------------------------
+    # -- what a request is bound to ------------------------------------------------------------------
 
     def resolve(self, model: str) -> AdapterRoute | None:
         """The adapter (at its current version) a request's model names; None if it names none."""
@@ -228,7 +184,7 @@ class Adapters:
             route = self._routes[model] = AdapterRoute(adapter.name, adapter.current, record.path)
         return route
 
-    def _canary_take(self, canary: Canary) -> bool:
+    def _canary_take(self, canary: AdapterCanary) -> bool:
         """Whether this request goes to the canary: exactly `share` of this gateway's requests for
         the adapter, spread evenly (counted here, not in the shared registry)."""
         counts = self._canary_counts.setdefault((canary.version, canary.started), [0, 0])
@@ -247,167 +203,8 @@ class Adapters:
             route = self._routes[engine] = AdapterRoute(adapter.name, version, record.path)
         return route
 
-    def acquire(self, route: AdapterRoute) -> None:
-        self._inflight[route.engine_name] += 1
-
-    def release(self, route: AdapterRoute, sent_to: str = "") -> None:
-        """The request is over (`sent_to`: what `touch` returned for it, if it was sent)."""
-        _count_down(self._inflight, route.engine_name)
-        if sent_to:
-            _count_down(self._on_replica, sent_to)
-
-    def touch(self, route: AdapterRoute, replica: Replica, before: str = "") -> str:
-        """A request for the adapter goes to `replica` (instead of `before`, where it was sent and
-        failed): least-recently-used unloading reads when, and never unloads an adapter from a
-        replica with a request of it in flight. Returns what `release` takes."""
-        key = self._used_now(replica, route.engine_name)
-        if before:
-            _count_down(self._on_replica, before)
-        self._on_replica[key] += 1
-        return key
-
-    def _used_now(self, replica: Replica, engine: str) -> str:
-        """The version was used on the replica now (least-recently-used unloading reads this);
-        returns its "replica \t engine" key."""
-        key = f"{replica.name}\t{engine}"
-        self._used[key] = self._touched[key] = time.time()
-        return key
-
-    def holds(self, route: AdapterRoute, replica: Replica) -> bool:
-        adapter = self.adapters.get(route.name)
-        if adapter is None:
-            return False
-        placed = adapter.placements.get(route.engine_name, {}).get(replica.name)
-        return placed is not None and placed.state == RESIDENT and _same_engine(placed, replica)
-
-    def affinity(self, route: AdapterRoute, replica: Replica) -> float:
-        """1 where the version is resident, 0.5 where a slot is free, 0 where loading it means
-        unloading another adapter."""
-        return adapter_affinity(self.holds(route, replica), len(self._resident(replica)), self.lora.max_loras)
-
     def names(self) -> list[str]:
         return sorted(n for n, a in self.adapters.items() if a.current)
-
-    async def ensure(self, route: AdapterRoute, replicas: list[Replica]) -> None:
-        """Load the request's adapter version on one of `replicas` (no replica of them holds it),
-        waiting at most `lora.load_wait_s`; AdapterUnavailable if it cannot. Requests that arrive
-        meanwhile wait for the same load."""
-        key = route.engine_name if len(replicas) != 1 else f"{route.engine_name}\t{replicas[0].name}"
-        task = self._loads.get(key)
-        if task is None:
-            task = self._loads[key] = asyncio.create_task(self._load_somewhere(route, replicas))
-            task.add_done_callback(lambda t: self._loaded(key, t))
-        try:
-            await asyncio.wait_for(asyncio.shield(task), self.lora.load_wait_s)
-        except TimeoutError:
-            raise AdapterUnavailable(f"Adapter '{route.label}' did not load within {self.lora.load_wait_s:g} s; "
-                                     "retry shortly.") from None
-
-    def may_spread(self, route: AdapterRoute) -> bool:
-        """An adapter placed on demand that is on fewer replicas than it may be."""
-        adapter = self.adapters.get(route.name)
-        return adapter is not None and adapter.replicas > 0 and \
-            sum(self.holds(route, r) for r in self.fleet.replicas.values()) < adapter.replicas
-
-    def spread(self, route: AdapterRoute, replicas: list[Replica]) -> None:
-        """Demand beyond its replicas: an adapter placed on up to N replicas whose every holder
-        has requests in flight is loaded, in the background, on one more replica with a free slot."""
-        adapter = self.adapters.get(route.name)
-        if adapter is None or not adapter.replicas or route.engine_name in self._loads:
-            return
-        holders = [r for r in self.fleet.replicas.values() if self.holds(route, r)]
-        if len(holders) >= adapter.replicas or min((r.inflight for r in holders), default=0) < 1:
-            return
-        free = [r for r in replicas if r not in holders and self.affinity(route, r) > 0]
-        if free:
-            task = self._loads[route.engine_name] = asyncio.create_task(self._load_somewhere(route, free[:1]))
-            task.add_done_callback(lambda t: self._loaded(route.engine_name, t))
-
-    def _loaded(self, engine: str, task: asyncio.Task) -> None:
-        if self._loads.get(engine) is task:
-            del self._loads[engine]
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("adapter %s: %s", engine, task.exception())
-
-    async def _load_somewhere(self, route: AdapterRoute, replicas: list[Replica]) -> None:
-        adapter = self.adapters.get(route.name)
-        record = adapter.version(route.version) if adapter is not None else None
-        if adapter is None or record is None:
-            raise AdapterUnavailable(f"Adapter '{route.label}' was removed meanwhile.")
-        deadline = time.monotonic() + self.lora.load_wait_s
-        while True:
-            errors, busy = [], False
-            for replica in self._ranked(route, replicas):
-                try:
-                    await self._load_on(adapter, record, replica, evict=True)
-                    return
-                except SlotsBusy as exc:
-                    busy = True
-                    errors.append(f"{replica.name}: {exc.message}")
-                except (AdapterError, LoraEngineError) as exc:
-                    errors.append(f"{replica.name}: {getattr(exc, 'message', exc)}")
-            if not busy or time.monotonic() >= deadline:
-                raise AdapterUnavailable(f"Adapter '{route.label}' could not be loaded: " + ("; ".join(errors)
-                                         or "no replica to load it on."))
-            await asyncio.sleep(0.1)  # a slot frees when a request of a resident adapter ends
-
-    def _ranked(self, route: AdapterRoute, replicas: list[Replica]) -> list[Replica]:
-        """Where to load it: a free slot before one that must be emptied, then the least loaded."""
-        return sorted(replicas, key=lambda r: (-self.affinity(route, r), r.inflight))
-
-    # -- slots on one replica ----------------------------------------------------------------------
-
-    def _resident(self, replica: Replica) -> list[tuple[Adapter, str]]:
-        """(adapter, engine name) of every version resident on the replica's current engine."""
-        return [(a, e) for a in self.adapters.values() for e, placed in a.placements.items()
-                if (p := placed.get(replica.name)) is not None and p.state in (RESIDENT, UNLOADING)
-                and _same_engine(p, replica)]
-
-    async def _load_on(self, adapter: Adapter, record: AdapterVersion, replica: Replica, evict: bool) -> None:
-        """Load one version on one replica (one load or unload at a time per replica, across
-        gateways); with `evict`, empty a slot first when all `max_loras` are taken."""
-        engine = engine_name(adapter.name, record.version)
-        async with self.store.lock(f"replica:{replica.name}"):
-            await self.sync()
-            route = AdapterRoute(adapter.name, record.version, record.path)
-            if self.holds(route, replica):
-                return
-            while evict and len(self._resident(replica)) >= self.lora.max_loras:
-                keep = {engine, engine_name(adapter.name, adapter.current)}
-                await self._evict_one(replica, keep)
-            await self._set(adapter, engine, replica.name, Placement(LOADING))
-            try:
-                await self._load(replica, engine, record.path)
-            except LoraEngineError as exc:
-                await self._set(adapter, engine, replica.name, Placement(FAILED, str(exc)))
-                raise
-            await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
-            key = self._used_now(replica, engine)  # just loaded for a request: not the next one to go
-            await self.store.used({key: self._used[key]})
-
-    async def _evict_one(self, replica: Replica, keep: set[str]) -> None:
-        """Unload the least recently used adapter of the replica that no request is using (here or,
-        as the engine reports, through another gateway). Adapters placed on every replica stay."""
-        victims = sorted(((a, e) for a, e in self._resident(replica)
-                          if a.replicas and e not in keep and not self._on_replica.get(f"{replica.name}\t{e}")),
-                         key=lambda ae: self._used.get(f"{replica.name}\t{ae[1]}", 0.0))
-        for adapter, engine in victims:
-            # Other gateways stop sending it there, then the engine must show no request of it
-            # running or waiting.
-            version = await self._set(adapter, engine, replica.name,
-                                      Placement(UNLOADING, engine_started=replica.engine_started or 0.0))
-            await self._others_saw(version)
-            if self._on_replica.get(f"{replica.name}\t{engine}") or engine in await self.client.busy(replica.url):
-                await self._set(adapter, engine, replica.name, Placement(RESIDENT, engine_started=replica.engine_started or 0.0))
-                continue
-            await self._unload(replica, engine)
-            await self._set(adapter, engine, replica.name, None)
-            log.warning("adapter %s unloaded from %s (least recently used; its slot is needed)", engine, replica.name)
-            return
-        message = (f"All {self.lora.max_loras} adapter slots of replica {replica.name} hold "
-                   "adapters that are in use or placed on every replica.")
-        in_use = any(a.replicas and e not in keep for a, e in self._resident(replica))
-        raise SlotsBusy(message) if in_use else AdapterUnavailable(message)
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -468,7 +265,7 @@ class Adapters:
                     await self._save(adapter)
                 raise
             if canary is not None:
-                adapter.canary = Canary(version, canary, time.time())
+                adapter.canary = AdapterCanary(version, canary, time.time())
                 await self._save(adapter)
                 log.warning("adapter %s: version %s on canary for %.0f%% of requests", name, version, canary * 100)
                 return adapter
@@ -539,8 +336,8 @@ class Adapters:
         if not adapter.replicas:
             return replicas
         current = AdapterRoute(adapter.name, adapter.current, "")
-        holding = [r for r in replicas if adapter.current and self.holds(current, r)]
-        return holding[:adapter.replicas] or self._ranked(current, [r for r in replicas if r.routable])[:1]
+        holding = [r for r in replicas if adapter.current and self.slots.holds(current, r)]
+        return holding[:adapter.replicas] or self.slots.ranked(current, [r for r in replicas if r.routable])[:1]
 
     async def _place(self, adapter: Adapter, record: AdapterVersion) -> None:
         """Load one version where it is placed; refused anywhere, it is unloaded everywhere."""
@@ -548,30 +345,19 @@ class Adapters:
         replicas = self._targets(adapter)
         if not replicas:
             raise AdapterLoadFailed(f"No replica in tiers {adapter.tiers} to load {engine} on.")
-        results = await asyncio.gather(*(self._load_on(adapter, record, r, evict=bool(adapter.replicas))
+        results = await asyncio.gather(*(self.slots.load_on(adapter, record, r, evict=bool(adapter.replicas))
                                          for r in replicas), return_exceptions=True)
         errors = [f"{r.name}: {getattr(x, 'message', x)}" for r, x in zip(replicas, results)
                   if isinstance(x, BaseException)]
         if errors:
             # Refused somewhere: take it off the replicas that did load it, keep what served before.
             placed = adapter.placements.get(engine, {})
-            await asyncio.gather(*(self._unload(self.fleet.replicas[n], engine) for n, p in placed.items()
+            await asyncio.gather(*(self.slots.unload(self.fleet.replicas[n], engine) for n, p in placed.items()
                                    if p.state == RESIDENT and n in self.fleet.replicas), return_exceptions=True)
             for replica in list(placed):
-                await self._set(adapter, engine, replica, None)
+                await self.set_placement(adapter, engine, replica, None)
             raise AdapterLoadFailed(f"Version {record.version!r} of adapter {adapter.name!r} was refused: "
                                     + "; ".join(errors))
-
-    async def _load(self, replica: Replica, engine: str, path: str) -> None:
-        if not replica.healthy:
-            raise LoraEngineError(replica.url, "load", 0, "replica is down")
-        await self.client.load(replica.url, engine, path)
-
-    async def _unload(self, replica: Replica, engine: str) -> None:
-        try:
-            await self.client.unload(replica.url, engine)
-        except LoraEngineError as exc:  # a down engine has forgotten its adapters anyway
-            log.warning("unloading %s from %s: %s", engine, replica.name, exc)
 
     async def _switch(self, adapter: Adapter, version: str) -> None:
         """New requests get `version` from now on; the previous version goes once it is idle."""
@@ -587,8 +373,8 @@ class Adapters:
 
     async def _unload_when_idle(self, adapter: Adapter, engine: str, version: int) -> None:
         deadline = time.monotonic() + RETIRE_WAIT_S
-        await self._others_saw(version)  # other gateways send it no new request
-        while self._inflight.get(engine, 0) > 0 and time.monotonic() < deadline:
+        await self.others_saw(version)  # other gateways send it no new request
+        while self.slots.in_flight(engine) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         async with self.store.lock(f"adapter:{adapter.name}"):
             await self.sync()
@@ -598,13 +384,13 @@ class Adapters:
             for name in list(adapter.placements.get(engine, {})):
                 replica = self.fleet.replicas.get(name)
                 if replica is not None:
-                    while engine in await self._busy(replica) and time.monotonic() < deadline:
+                    while engine in await self.slots.busy(replica) and time.monotonic() < deadline:
                         await asyncio.sleep(0.1)  # still running for another gateway's request
-                    await self._unload(replica, engine)
-                await self._set(adapter, engine, name, None)
+                    await self.slots.unload(replica, engine)
+                await self.set_placement(adapter, engine, name, None)
         log.warning("adapter %s unloaded", engine)
 
-    async def _others_saw(self, version: int) -> None:
+    async def others_saw(self, version: int) -> None:
         """Wait until every other live gateway has taken in the registry at `version` (each says
         so after every sync), at most two syncs. None: go on at once. Then a short grace, for
         a request another gateway routed just before its sync to reach the engine's counts."""
@@ -625,48 +411,6 @@ class Adapters:
             await asyncio.sleep(min(0.05, self.lora.sync_s / 4))
         await asyncio.sleep(max(0.0, min(UNLOAD_GRACE_S, deadline - time.monotonic())))
 
-    async def _busy(self, replica: Replica) -> set[str]:
-        try:
-            return await self.client.busy(replica.url)
-        except LoraEngineError:
-            return set()  # not answering: nothing runs there
-
-    # -- replicas that lost their adapters or never had them ------------------------------------
-
-    def refill(self, replica: Replica) -> None:
-        """The replica's engine holds none of its adapters (it restarted): every version placed
-        there is loaded again; adapter requests skip the replica until it is resident there (a
-        placement counts only for the engine process it was loaded into)."""
-        for adapter in self.adapters.values():
-            wanted = [e for e, placed in adapter.placements.items() if replica.name in placed]
-            if replica.tier in adapter.tiers and adapter.current and not adapter.replicas:
-                wanted = list(dict.fromkeys(wanted + [engine_name(adapter.name, adapter.current)]))
-            for engine in wanted:
-                version = adapter.version(engine.split("@", 1)[1])
-                if version is not None:
-                    self._writes += 1  # shown as loading again at once (and written by `_reload`)
-                    adapter.placements.setdefault(engine, {})[replica.name] = Placement(LOADING)
-                    self._spawn(self._reload(adapter, version, replica))
-
-    async def _joined(self, replica: Replica) -> None:
-        self.refill(replica)
-
-    async def _reload(self, adapter: Adapter, record: AdapterVersion, replica: Replica,
-                      wait_s: float = 300.0) -> None:
-        engine = engine_name(adapter.name, record.version)
-        await self.store.place(adapter.name, engine, replica.name, Placement(LOADING))
-        deadline = time.monotonic() + wait_s
-        while not replica.healthy and time.monotonic() < deadline:  # up, then routable
-            await asyncio.sleep(0.2)
-        if engine not in adapter.placements and engine_name(adapter.name, adapter.current) != engine:
-            return  # retired meanwhile
-        try:
-            await self._load_on(adapter, record, replica, evict=False)
-        except (AdapterError, LoraEngineError) as exc:
-            log.warning("adapter %s on %s after its engine restarted: %s", engine, replica.name, exc)
-            return
-        log.warning("adapter %s on %s after its engine restarted: resident", engine, replica.name)
-
     async def status(self) -> list[dict]:
         """GET /admin/adapters: each adapter's versions and where each version is."""
         await self.sync()
@@ -681,7 +425,7 @@ class Adapters:
                     if p is not None and self._current_engine(replica, p)}
                 for replica in sorted({r for placed in adapter.placements.values() for r in placed})}
             doc["replicas"] = {r: v for r, v in doc["replicas"].items() if v}
-            doc["inflight"] = {e: self._inflight.get(e, 0) for e in adapter.placements}
+            doc["inflight"] = {e: self.slots.in_flight(e) for e in adapter.placements}
             if adapter.canary is not None:  # this gateway's requests for the adapter, and the canary's
                 requests, sent = self._canary_counts.get((adapter.canary.version, adapter.canary.started), (0, 0))
                 doc["canary"].update(requests=requests, sent=sent)
@@ -690,19 +434,9 @@ class Adapters:
 
     def _current_engine(self, replica: str, placement: Placement) -> bool:
         r = self.fleet.replicas.get(replica)
-        return r is None or _same_engine(placement, r)
-
-
-def _same_engine(placement: Placement, replica: Replica) -> bool:
-    return not placement.engine_started or not replica.engine_started \
-        or placement.engine_started == replica.engine_started
+        return r is None or same_engine(placement, r)
 
 
 def _placement(replicas: int) -> str:
     return "every replica" if not replicas else f"at most {replicas} replicas, on demand"
 
-
-def _count_down(counts: Counter[str], key: str) -> None:
-    counts[key] -= 1
-    if counts[key] <= 0:
-        del counts[key]

@@ -64,15 +64,15 @@ def test_a_request_on_one_replica_does_not_keep_its_adapter_on_another():
         adapters, calls, fleet = registry()
         a, b = fleet.replicas["a"], fleet.replicas["b"]
         x, y = route("x"), route("y")
-        adapters.acquire(x)
-        sent = adapters.touch(x, a)                      # x in flight on a
-        adapters.release(y, adapters.touch(y, b))        # y used on b after x: x is b's least recent
-        await adapters._evict_one(b, keep=set())
+        adapters.slots.acquire(x)
+        sent = adapters.slots.touch(x, a)                      # x in flight on a
+        adapters.slots.release(y, adapters.slots.touch(y, b))        # y used on b after x: x is b's least recent
+        await adapters.slots._evict_one(b, keep=set())
         assert calls.unloaded == [(b.url, "x@v1")]       # nothing of x runs on b
-        await adapters._evict_one(a, keep=set())
+        await adapters.slots._evict_one(a, keep=set())
         assert calls.unloaded[-1] == (a.url, "y@v1")     # x runs on a: y goes there instead
-        adapters.release(x, sent)
-        assert not adapters._on_replica and not adapters._inflight
+        adapters.slots.release(x, sent)
+        assert not adapters.slots._on_replica and not adapters.slots._inflight
 
     asyncio.run(run())
 
@@ -80,12 +80,12 @@ def test_a_request_on_one_replica_does_not_keep_its_adapter_on_another():
 def test_a_request_retried_elsewhere_is_counted_where_it_went():
     adapters, _, fleet = registry()
     x = route("x")
-    adapters.acquire(x)
-    sent = adapters.touch(x, fleet.replicas["a"])
-    sent = adapters.touch(x, fleet.replicas["b"], sent)  # a failed before answering; b serves it
-    assert dict(adapters._on_replica) == {"b\tx@v1": 1}
-    adapters.release(x, sent)
-    assert not adapters._on_replica and not adapters._inflight
+    adapters.slots.acquire(x)
+    sent = adapters.slots.touch(x, fleet.replicas["a"])
+    sent = adapters.slots.touch(x, fleet.replicas["b"], sent)  # a failed before answering; b serves it
+    assert dict(adapters.slots._on_replica) == {"b\tx@v1": 1}
+    adapters.slots.release(x, sent)
+    assert not adapters.slots._on_replica and not adapters.slots._inflight
 
 
 @pytest.mark.parametrize("pinned", [False, True])
@@ -96,10 +96,10 @@ def test_a_replica_whose_slots_are_all_in_use_waits_only_if_one_can_free(pinned)
         adapters, calls, fleet = registry(pinned)
         a = fleet.replicas["a"]
         for name in ("x", "y"):
-            adapters.acquire(route(name))
-            adapters.touch(route(name), a)
+            adapters.slots.acquire(route(name))
+            adapters.slots.touch(route(name), a)
         with pytest.raises(AdapterUnavailable) as err:
-            await adapters._evict_one(a, keep=set())
+            await adapters.slots._evict_one(a, keep=set())
         assert isinstance(err.value, SlotsBusy) is not pinned
         assert calls.unloaded == []
 
@@ -115,8 +115,8 @@ def test_loading_one_adapter_after_another_keeps_unloading_the_least_recent():
         a.healthy = True
         for name in ("z", "w", "v"):
             adapters.adapters[name] = adapter = on_demand(name)
-            await adapters._load_on(adapter, adapter.versions[0], a, evict=True)
+            await adapters.slots.load_on(adapter, adapter.versions[0], a, evict=True)
         assert [engine for url, engine in calls.unloaded if url == a.url] == ["x@v1", "y@v1", "z@v1"]
-        assert not adapters._on_replica
+        assert not adapters.slots._on_replica
 
     asyncio.run(run())

@@ -13,17 +13,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from test_adapter_slots import RecordedEngineCalls, registry
-from yieldgate.serving.adapter_store import AdapterVersion, Placement, RedisStore
+from yieldgate.serving.adapter_store import AdapterVersion, Placement, RedisAdapterStore
 from yieldgate.serving.adapters import Adapters
 from yieldgate.serving.config import FleetConfig, LoraConfig
 from yieldgate.serving.fleet import Fleet
 
 
-async def _store(redis_url: str, prefix: str) -> RedisStore:
-    return RedisStore(aioredis.from_url(redis_url), prefix)
+async def _store(redis_url: str, prefix: str) -> RedisAdapterStore:
+    return RedisAdapterStore(aioredis.from_url(redis_url), prefix)
 
 
-async def _shared(adapters: Adapters, store: RedisStore) -> RedisStore:
+async def _shared(adapters: Adapters, store: RedisAdapterStore) -> RedisAdapterStore:
     """`store` holding the registry `adapters` has in memory (tests/test_adapter_slots.py's)."""
     for name, adapter in adapters.adapters.items():
         await store.save(adapter)
@@ -78,7 +78,7 @@ def test_a_gateway_alone_unloads_without_waiting_for_a_sync(redis_url):
         fleet.config.lora = adapters.lora = LoraConfig(max_loras=2, sync_s=30.0)
         await adapters.start(await _shared(adapters, await _store(redis_url, prefix)))
         try:
-            await asyncio.wait_for(adapters._evict_one(fleet.replicas["a"], keep=set()), 10)
+            await asyncio.wait_for(adapters.slots._evict_one(fleet.replicas["a"], keep=set()), 10)
             assert calls.unloaded == [(fleet.replicas["a"].url, "x@v1")]
         finally:
             await adapters.close()
@@ -140,7 +140,7 @@ def test_an_unload_waits_until_the_other_gateway_has_read_the_mark(redis_url, ot
         calls.unload = unload  # type: ignore[method-assign]
         try:
             started = time.monotonic()
-            await one._evict_one(fleet.replicas["b"], keep=set())
+            await one.slots._evict_one(fleet.replicas["b"], keep=set())
             waited = time.monotonic() - started
             assert calls.unloaded == [(fleet.replicas["b"].url, "x@v1")]
             if other_syncs:
@@ -164,7 +164,7 @@ def test_a_version_read_during_a_local_change_is_not_said_to_be_seen(redis_url):
         store = await _shared(adapters, await _store(redis_url, prefix))
         await adapters.start(store)
         try:
-            version = await adapters._set(adapters.adapters["x"], "x@v1", "a", Placement("unloading"))
+            version = await adapters.set_placement(adapters.adapters["x"], "x@v1", "a", Placement("unloading"))
             read = store.read
 
             async def racing_read():
@@ -195,7 +195,10 @@ def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_
 
     from yieldgate.gateway.app import Gateway
     from yieldgate.gateway.config import Config
+    from yieldgate.gateway.apis import APIS
     from yieldgate.gateway.context import RequestContext
+    from yieldgate.gateway.exchange import Exchange
+    from yieldgate.gateway.intake import Intake
     from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
     async def run() -> None:
@@ -212,10 +215,11 @@ def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_
             if len(loads) > 1:  # the first load's adapter is gone again by the time it routes
                 adapter.placements["x@v1"] = {"a": Placement("resident")}
 
-        adapters.ensure = ensure  # type: ignore[method-assign]
+        adapters.slots.ensure = ensure  # type: ignore[method-assign]
         ctx = RequestContext(request_id="r", kind="completions", model="x", tier="standard", started=0.0,
                              adapter=adapters.resolve("x"))
-        candidates = await gateway.proxy._candidates(ctx, set())
+        exchange = Exchange(gateway.pipeline, APIS["completions"], Intake({}, None, ctx), b"")
+        candidates = await exchange._candidates()
         assert [r.name for r in candidates] == ["a"] and loads == [["a", "b"], ["a", "b"]]
 
     asyncio.run(run())

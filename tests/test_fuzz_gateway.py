@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from conftest import InProcessGateway, record_counts
-from yieldgate.gateway.config import Config, LimitsConfig
+from yieldgate.gateway.config import Config, RequestLimits
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -37,7 +37,7 @@ FAILURES: list[str] = []
 @pytest.fixture(scope="module")
 def fuzz_gateway(stack):
     config = Config(
-        limits=LimitsConfig(max_tokens=1024),
+        limits=RequestLimits(max_tokens=1024),
         fleet=FleetConfig(model=stack.model, health_interval_s=1.0, replicas=[
             ReplicaConfig(name="std-0", tier="standard", url=stack.engines["standard"]),
             ReplicaConfig(name="fast-0", tier="fast", url=stack.engines["fast"]),

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from conftest import fake_upstream_process
-from yieldgate.gateway.config import Config, LimitsConfig, ServerConfig
+from yieldgate.gateway.config import Config, RequestLimits, ServerConfig
 from yieldgate.serving.config import FleetConfig, ReplicaConfig, TierConfig
 
 ITL_MS = 50
@@ -45,7 +45,7 @@ def hot_gateway(gateway_factory, fake_upstream, redis_url, tmp_path):
     """An in-process gateway whose one-replica fleet is the fake upstream (round robin: no tokenizer)."""
     config = Config(
         server=ServerConfig(redis_url=redis_url, data_dir=str(tmp_path)),
-        limits=LimitsConfig(streams_per_key=1000, max_body_bytes=MAX_BODY),
+        limits=RequestLimits(streams_per_key=1000, max_body_bytes=MAX_BODY),
         fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="fake-0", url=fake_upstream)],
                           tiers={"standard": TierConfig(policy="round_robin")}),
     )

@@ -8,7 +8,7 @@ import json
 import msgspec
 import pytest
 
-from yieldgate.loadtest import AgentToolsWorkload, Outcome, Target
+from yieldgate.loadtest import AgentToolsWorkload, RequestOutcome, Target
 from yieldgate.loadtest.client import OpenAIClient
 from yieldgate.loadtest.runner import _append_turn
 from yieldgate.loadtest.sse import SSEDecoder
@@ -94,9 +94,9 @@ def test_messages_wire_alternates_roles_with_tool_use_and_tool_result_blocks():
     assert body["tools"][0]["input_schema"] == session.tools[0]["function"]["parameters"]
 
 
-def _stream(api: str, raw: bytes) -> tuple[Outcome, str, bool]:
+def _stream(api: str, raw: bytes) -> tuple[RequestOutcome, str, bool]:
     client = OpenAIClient(Target(base_url="http://x", api=api))
-    out = Outcome(start=0.0)
+    out = RequestOutcome(start=0.0)
     parts: list[str] = []
     done = False
     dec = SSEDecoder()

@@ -308,11 +308,11 @@ output = 1.5
 
 
 def _parse_stream(raw: bytes):
-    from yieldgate.loadtest import Outcome, Target
+    from yieldgate.loadtest import RequestOutcome, Target
     from yieldgate.loadtest.client import OpenAIClient
 
     client = OpenAIClient(Target(base_url="http://x"))
-    out = Outcome(start=0.0)
+    out = RequestOutcome(start=0.0)
     parts, done = [], False
     dec = SSEDecoder()
     for i, ev in enumerate(dec.feed(raw) + dec.flush()):
@@ -341,10 +341,10 @@ def test_stream_parsing_usage_cost_and_error_events():
 
 
 def test_non_stream_body_cost_as_number():
-    from yieldgate.loadtest import Outcome, Target
+    from yieldgate.loadtest import RequestOutcome, Target
     from yieldgate.loadtest.client import OpenAIClient
 
-    out = Outcome(start=0.0)
+    out = RequestOutcome(start=0.0)
     OpenAIClient(Target(base_url="http://x", stream=False))._read_body(
         b'{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,'
         b'"cost":0.5}}', out)
@@ -354,14 +354,14 @@ def test_non_stream_body_cost_as_number():
 def test_tpot_runs_from_first_to_last_token_not_to_the_end_of_the_stream():
     # vllm bench serve's definition: the usage chunk and [DONE] after the last token are E2E only.
     from yieldgate.loadtest import RandomLengthWorkload, Target
-    from yieldgate.loadtest.client import Outcome
+    from yieldgate.loadtest.client import RequestOutcome
     from yieldgate.loadtest.wire import WireUsage
     from yieldgate.loadtest.runner import Runner, _Phase
     from yieldgate.loadtest.workload import Session
 
     runner = Runner(Target(base_url="http://127.0.0.1:9", model="m", stream=True),
                     RandomLengthWorkload(input_tokens=8, output_tokens=5))
-    out = Outcome(start=10.0, end=11.0, first_token=10.1, token_times=[10.1, 10.2, 10.3, 10.4, 10.5],
+    out = RequestOutcome(start=10.0, end=11.0, first_token=10.1, token_times=[10.1, 10.2, 10.3, 10.4, 10.5],
                   status=200, usage=WireUsage(prompt_tokens=8, completion_tokens=5))
     rec = runner._record(_Phase(None, None, 0, 10.0), Session(id="s", turns=[]), 0, (0, False), 10.0, 8, out)
     assert rec.ttft_ms == pytest.approx(100.0)

@@ -8,14 +8,14 @@ import time
 import httpx
 import pytest
 
-from yieldgate.gateway.config import Config, LimitsConfig
+from yieldgate.gateway.config import Config, RequestLimits
 from yieldgate.gateway.errors import RateLimited
 from yieldgate.gateway.limits import StreamLimiter, stream_owner
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 
 def limited_config(stack, **limits) -> Config:
-    return Config(limits=LimitsConfig(**limits), fleet=FleetConfig(model=stack.model, replicas=[
+    return Config(limits=RequestLimits(**limits), fleet=FleetConfig(model=stack.model, replicas=[
         ReplicaConfig(name="std-0", tier="standard", url=stack.engines["standard"])]))
 
 
@@ -33,7 +33,7 @@ def chat(content: str = "hi", **extra) -> dict:
 
 
 def test_safe_defaults():
-    limits = LimitsConfig()
+    limits = RequestLimits()
     assert 0 < limits.max_body_bytes <= 16 * 1024 * 1024
     assert 0 < limits.max_messages <= 10_000
     assert 0 < limits.max_tokens <= 32_768
@@ -99,11 +99,11 @@ def test_concurrent_streams_per_key_are_capped(stack, gateway_factory):
         s1.close()
         # The closed stream's slot comes back once the gateway notices the disconnect.
         deadline = time.monotonic() + 30
-        while gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") > 1 and time.monotonic() < deadline:
+        while gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         again = http.post(url, json=chat(stream=True))
         assert again.status_code == 200 and b"data: [DONE]" in again.content
     deadline = time.monotonic() + 30
-    while gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") and time.monotonic() < deadline:
+    while gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gw.gateway.proxy.streams.open_streams("ip:127.0.0.1") == 0
+    assert gw.gateway.pipeline.streams.open_streams("ip:127.0.0.1") == 0

@@ -228,3 +228,35 @@ def test_a_warm_up_phase_is_left_out_of_the_results(prompts):
     loads = lambda r: round(r.loads_per_1k * r.requests / 1000)  # noqa: E731
     assert 0 < loads(measured) < loads(whole)  # the cold start's first loads are the warm-up's
     assert measured.cached_ratio > whole.cached_ratio
+
+
+# -- the candidacy rule the gateway and the simulator share ---------------------------------------
+
+class _Replica:
+    def __init__(self, name: str, tier: str = "standard", inflight: int = 0):
+        self.name, self.tier, self.inflight = name, tier, inflight
+
+
+def test_adapter_candidacy_is_one_rule_for_gateway_and_simulator():
+    """cache.scorers.adapter_candidacy: holders; holders and the tier's others with affinity
+    while the policy weighs it and there is room; a spread to a free slot when every holder is
+    busy; held nowhere, loaded first where a slot is free, then least loaded."""
+    from yieldgate.cache import adapter_candidacy
+    from yieldgate.cache import simulator
+
+    a, b, c, other = _Replica("a", inflight=1), _Replica("b", inflight=3), _Replica("c"), _Replica("x", "fast")
+    affinity = {"a": 1.0, "b": 0.5, "c": 0.0, "x": 0.5}.__getitem__
+    aff = lambda r: affinity(r.name)  # noqa: E731
+
+    weighs = adapter_candidacy([a], [a, b, c, other], aff, weighs_affinity=True, room=True, busy=True, tier="standard")
+    assert ([r.name for r in weighs.candidates], weighs.affinity) == (["a", "b", "c"], {"a": 1.0, "b": 0.5, "c": 0.0})
+    full = adapter_candidacy([a], [a, b, c], aff, weighs_affinity=True, room=False, busy=True)
+    assert ([r.name for r in full.candidates], full.affinity, full.spread_to) == (["a"], None, None)
+    busy = adapter_candidacy([a], [a, b, c], aff, weighs_affinity=False, room=True, busy=True)
+    assert ([r.name for r in busy.candidates], busy.spread_to) == (["a"], b)
+    idle = adapter_candidacy([a], [a, b, c], aff, weighs_affinity=False, room=True, busy=False)
+    assert idle.spread_to is None
+    nowhere = adapter_candidacy([], [c, b], aff, weighs_affinity=False, room=True, busy=False)
+    assert (nowhere.candidates, [r.name for r in nowhere.load_on]) == ([], ["b", "c"])
+    # The simulator routes with this rule, not a copy of it.
+    assert simulator.adapter_candidacy is adapter_candidacy

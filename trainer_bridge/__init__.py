@@ -6,13 +6,13 @@ yieldgate = trainer_bridge.plugin:register`), selected with
 `push_adapter()` for LoRA adapters (one checksummed upload to the gateway).
 """
 
-from yieldgate.trainer_bridge.adapter_push import AdapterPushReport, adapter_state, push_adapter
+from .adapter_push import AdapterPushReport, adapter_state, push_adapter
 
-from yieldgate.trainer_bridge.checkpoint import CheckpointStore, write_checkpoint
-from yieldgate.trainer_bridge.config import BridgeConfig
-from yieldgate.trainer_bridge.engine_client import EngineClient
-from yieldgate.trainer_bridge.history import WeightHistory
-from yieldgate.trainer_bridge.errors import (
+from .checkpoint import CheckpointStore, write_checkpoint
+from .config import BridgeConfig
+from .engine_client import EngineClient
+from .history import WeightHistory
+from .errors import (
     AdapterPushRefused,
     BridgeError,
     ChecksumMismatch,
@@ -22,7 +22,7 @@ from yieldgate.trainer_bridge.errors import (
     RolloutFailed,
     TransferError,
 )
-from yieldgate.trainer_bridge.push import (
+from .push import (
     PushFaults,
     PushReport,
     apply_staged,
@@ -35,7 +35,7 @@ from yieldgate.trainer_bridge.push import (
     reload_from_checkpoint,
     stage,
 )
-from yieldgate.trainer_bridge.weights import WeightSet, checkpoint_name
+from .weights import WeightSet, checkpoint_name
 
 __all__ = [
     "AdapterPushRefused",

@@ -22,8 +22,8 @@ import msgspec
 import torch
 
 from yieldgate.serving.peft import pack_adapter
-from yieldgate.trainer_bridge.engine_client import tls_context
-from yieldgate.trainer_bridge.errors import AdapterPushRefused
+from .engine_client import tls_context
+from .errors import AdapterPushRefused
 
 # PEFT names a module's adapter inside the key ("lora_A.default.weight") in a model's own
 # state_dict; the saved and served form has no adapter name.

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from yieldgate.trainer_bridge.history import WeightHistory
+from .history import WeightHistory
 
 # Files copied from the base model so a saved version is a complete, loadable HF directory.
 _SIDECAR_FILES = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from yieldgate.trainer_bridge.wire import DEFAULT_CHUNK_BYTES, default_checksum
+from .wire import DEFAULT_CHUNK_BYTES, default_checksum
 
 
 class BridgeConfig(msgspec.Struct, kw_only=True):

@@ -24,10 +24,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from yieldgate.trainer_bridge import wire
-from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
-from yieldgate.trainer_bridge.receiver import ParamLayout, StagingArea, StagingPool, receive_update
-from yieldgate.trainer_bridge.snapshot import ModelSnapshot
+from . import wire
+from .errors import ChecksumMismatch, PushRefused, TransferError
+from .receiver import ParamLayout, StagingArea, StagingPool, receive_update
+from .snapshot import ModelSnapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

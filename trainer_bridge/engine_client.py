@@ -12,7 +12,7 @@ import httpx
 import torch
 
 from yieldgate.serving.engine_control import backend_in, dtype_in, is_refusal, tls_context
-from yieldgate.trainer_bridge.errors import EngineRequestError, PushRefused
+from .errors import EngineRequestError, PushRefused
 
 __all__ = ["EngineClient", "tls_context"]
 

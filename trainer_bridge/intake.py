@@ -15,10 +15,10 @@ from typing import Any
 
 from yieldgate.serving.engine_control import EngineControl, EngineRefused
 from yieldgate.serving.fleet import Replica
-from yieldgate.trainer_bridge import wire
-from yieldgate.trainer_bridge.errors import PushRefused
-from yieldgate.trainer_bridge.receiver import ParamLayout, StagingArea, receive_update_async
-from yieldgate.trainer_bridge.schemas import RolloutState, WeightsRequest
+from . import wire
+from .errors import PushRefused
+from .receiver import ParamLayout, StagingArea, receive_update_async
+from .schemas import RolloutState, WeightsRequest
 
 
 class PushIntake:

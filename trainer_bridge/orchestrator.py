@@ -33,10 +33,10 @@ import msgspec
 
 from yieldgate.serving.engine_control import EngineControl
 from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.trainer_bridge import wire
-from yieldgate.trainer_bridge.checkpoint import CheckpointStore
-from yieldgate.trainer_bridge.config import BridgeConfig
-from yieldgate.trainer_bridge.errors import (
+from . import wire
+from .checkpoint import CheckpointStore
+from .config import BridgeConfig
+from .errors import (
     REFUSALS,
     InvalidWeightsRequest,
     NoSuchRollout,
@@ -44,11 +44,11 @@ from yieldgate.trainer_bridge.errors import (
     RolloutConflict,
     RolloutFailed,
 )
-from yieldgate.trainer_bridge.fleet_control import swap_waves
-from yieldgate.trainer_bridge.intake import PushIntake
-from yieldgate.trainer_bridge.replica_fleet import ReplicaFleet, engine_label, engine_version, gateway_label
-from yieldgate.trainer_bridge.rollout import Rollout, rotate_push_token
-from yieldgate.trainer_bridge.schemas import (
+from .fleet_control import swap_waves
+from .intake import PushIntake
+from .replica_fleet import ReplicaFleet, engine_label, engine_version, gateway_label
+from .rollout import Rollout, rotate_push_token
+from .schemas import (
     RESERVED_VERSIONS,
     Canary,
     CheckpointSource,

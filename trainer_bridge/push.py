@@ -25,11 +25,11 @@ import httpx
 import msgspec
 import torch
 
-from yieldgate.trainer_bridge.config import BridgeConfig
-from yieldgate.trainer_bridge.engine_client import EngineClient, tls_context
-from yieldgate.trainer_bridge.errors import BridgeError, EngineRequestError, PushFailed, PushRefused
-from yieldgate.trainer_bridge.sender import ChunkSender, StreamTarget
-from yieldgate.trainer_bridge.weights import WeightSet
+from .config import BridgeConfig
+from .engine_client import EngineClient, tls_context
+from .errors import BridgeError, EngineRequestError, PushFailed, PushRefused
+from .sender import ChunkSender, StreamTarget
+from .weights import WeightSet
 
 ModelLike = torch.nn.Module | Mapping[str, torch.Tensor] | WeightSet
 

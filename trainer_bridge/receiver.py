@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from yieldgate.trainer_bridge import wire
-from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
+from . import wire
+from .errors import ChecksumMismatch, PushRefused, TransferError
 
 
 @dataclass(frozen=True)

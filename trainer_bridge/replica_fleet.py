@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from yieldgate.serving.engine_control import EngineControl
 from yieldgate.serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION, Fleet, Replica
-from yieldgate.trainer_bridge.schemas import RolloutState
+from .schemas import RolloutState
 
 
 def gateway_label(engine_version: str) -> str:

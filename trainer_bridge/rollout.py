@@ -37,13 +37,13 @@ import httpx
 import msgspec
 
 from yieldgate.serving.engine_control import EngineCallFailed, EngineControl
-from yieldgate.trainer_bridge.checkpoint import CheckpointStore
-from yieldgate.trainer_bridge.config import BridgeConfig
-from yieldgate.trainer_bridge.errors import BridgeError, PushFailed, RolloutFailed
-from yieldgate.trainer_bridge.fleet_control import EngineFleet, FleetControl, swap_waves
-from yieldgate.trainer_bridge.history import Ending
-from yieldgate.trainer_bridge.push import ModelLike, _weights, make_push_token, push, stage
-from yieldgate.trainer_bridge.weights import WeightSet
+from .checkpoint import CheckpointStore
+from .config import BridgeConfig
+from .errors import BridgeError, PushFailed, RolloutFailed
+from .fleet_control import EngineFleet, FleetControl, swap_waves
+from .history import Ending
+from .push import ModelLike, _weights, make_push_token, push, stage
+from .weights import WeightSet
 
 __all__ = ["EngineFleet", "FleetControl", "Rollout", "RolloutReport", "default_store",
            "rotate_push_token", "swap_waves"]

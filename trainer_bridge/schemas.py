@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from yieldgate.serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION
-from yieldgate.trainer_bridge import wire
+from . import wire
 
 RESERVED_VERSIONS = (BASE_VERSION, ENGINE_BASE_VERSION)
 

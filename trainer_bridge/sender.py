@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from yieldgate.trainer_bridge import wire
-from yieldgate.trainer_bridge.errors import ChecksumMismatch, PushRefused, TransferError
-from yieldgate.trainer_bridge.weights import WeightSet
+from . import wire
+from .errors import ChecksumMismatch, PushRefused, TransferError
+from .weights import WeightSet
 
 _QUEUE_DEPTH = 2
 _SOCK_BUF = 8 << 20

@@ -23,9 +23,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from concurrent.futures import ThreadPoolExecutor
 
-from yieldgate.trainer_bridge.config import BridgeConfig
-from yieldgate.trainer_bridge.sender import ChunkSender, StreamTarget
-from yieldgate.trainer_bridge.weights import WeightEntry, WeightSet
+from .config import BridgeConfig
+from .sender import ChunkSender, StreamTarget
+from .weights import WeightEntry, WeightSet
 
 
 @dataclass

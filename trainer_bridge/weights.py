@@ -87,7 +87,7 @@ class WeightSet:
         return sum(e.nbytes for e in self.entries)
 
     def metadata(self) -> dict[str, list]:
-        from yieldgate.trainer_bridge.wire import dtype_name
+        from .wire import dtype_name
 
         return {
             "names": [e.name for e in self.entries],

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from yieldgate.trainer_bridge.errors import TransferError
+from .errors import TransferError
 
 HELLO_MAGIC = b"YGH1"
 SHM_HELLO_MAGIC = b"YGH2"
