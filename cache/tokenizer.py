@@ -24,8 +24,8 @@ from typing import Any, Literal
 import tiktoken
 import tokenizers
 
-from yieldgate.cache.blocks import drop_oldest, pack_tokens
-from yieldgate.cache.chat_template import ChatTemplate
+from .blocks import drop_oldest, pack_tokens
+from .chat_template import ChatTemplate
 
 Backend = Literal["tiktoken", "hf"]
 
@@ -348,7 +348,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
         if self.chat_template is None:
-            from yieldgate.cache.chat_template import ChatTemplateError
+            from .chat_template import ChatTemplateError
             raise ChatTemplateError("model has no chat template")
         return self.chat_template.render(messages, tools, add_generation_prompt, **template_kwargs)
 

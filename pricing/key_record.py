@@ -8,12 +8,12 @@ a Redis that lost its data loses no key. A key's secret is stored only as its HM
 from __future__ import annotations
 
 from decimal import Decimal
-from typing import Any, Protocol
+from typing import Any
 
 import asyncpg
 
 from .errors import StoreUnavailable
-from .keys import ApiKey
+from .keys import ApiKey, KeyRecord  # noqa: F401 (KeyRecord: the protocol this implements)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS yg_team (name text PRIMARY KEY, created_at float8 NOT NULL);
@@ -34,20 +34,6 @@ CREATE INDEX IF NOT EXISTS yg_api_key_team ON yg_api_key (team);
 _FIELDS = ("id", "team", "name", "budget_usd", "budget_kind", "budget_period", "rpm", "tpm",
            "created_at", "revoked")
 _ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
-
-
-class KeyRecord(Protocol):
-    async def open(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def put(self, key: ApiKey, secret_hmac: str | None = None) -> None:
-        """Insert or update a key; secret_hmac None keeps the stored one. StoreUnavailable."""
-        ...
-
-    async def get(self, key_id: str) -> tuple[ApiKey, str] | None: ...
-
-    async def all(self, team: str | None = None) -> list[tuple[ApiKey, str]]: ...
 
 
 def _key(row: Any) -> tuple[ApiKey, str]:

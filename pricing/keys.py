@@ -20,7 +20,7 @@ import secrets
 import time
 from collections.abc import Callable
 from decimal import Decimal
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import msgspec
 import redis.asyncio as aioredis
@@ -28,9 +28,6 @@ from redis.exceptions import RedisError
 
 from .config import LimitsConfig
 from .errors import InvalidApiKey, KeyNotFound, LimiterUnavailable, StoreUnavailable
-
-if TYPE_CHECKING:
-    from .key_record import KeyRecord
 
 log = logging.getLogger(__name__)
 SECRET_PREFIX = "yg-"
@@ -51,6 +48,22 @@ class ApiKey(msgspec.Struct, kw_only=True):
     tpm: int | None = None                  # tokens per minute, None: unlimited
     created_at: float = 0.0
     revoked: bool = False
+
+
+class KeyRecord(Protocol):
+    """Where API keys are kept for good (pricing/key_record.py: PostgreSQL); Redis caches them."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put(self, key: ApiKey, secret_hmac: str | None = None) -> None:
+        """Insert or update a key; secret_hmac None keeps the stored one. StoreUnavailable."""
+        ...
+
+    async def get(self, key_id: str) -> tuple[ApiKey, str] | None: ...
+
+    async def all(self, team: str | None = None) -> list[tuple[ApiKey, str]]: ...
 
 
 class CreatedKey(msgspec.Struct):
