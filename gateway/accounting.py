@@ -51,7 +51,7 @@ from .http import bearer_token
 from .context import RequestContext, Usage
 from .metrics import GatewayMetrics
 from .schemas import ChatShaped
-from .tiers import STANDARD
+from .tiers import FAST, STANDARD
 
 if TYPE_CHECKING:
     from .config import Config
@@ -437,7 +437,8 @@ class Accounting:
             prompt = max(usage.prompt_tokens, 0)
             priced = PricedUsage(prompt, min(max(usage.cached_tokens, 0), prompt),
                                  max(usage.completion_tokens, 0))
-        cost = self.price_book.cost(ctx.model, ctx.tier, priced, ctx.adapter.name if ctx.adapter else "") \
+        price_tier = ctx.priced_tier or ctx.tier
+        cost = self.price_book.cost(ctx.model, price_tier, priced, ctx.adapter.name if ctx.adapter else "") \
             if usage is not None else Cost()
         key = ctx.key
         finished_at = time.time()
@@ -445,7 +446,7 @@ class Accounting:
             self.ledger.record(LedgerRecord.priced(
                 request_id=ctx.request_id, usage=priced, cost=cost, ts=finished_at,
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
-                tier=ctx.tier, requested_tier=ctx.requested_tier,
+                tier=price_tier, requested_tier=ctx.requested_tier or (ctx.tier if ctx.priced_tier else ""),
                 replica=ctx.replica_name, weight_version=ctx.weight_version, gateway=self.instance_id,
                 adapter=ctx.adapter.name if ctx.adapter is not None else "",
                 session_id=ctx.session_id or None, route=ctx.kind,
@@ -509,6 +510,19 @@ class Accounting:
         if ctx.replica is not None:
             self.fleet_cost.observe(ctx.replica.name, ctx.model, ctx.tier, priced, cost,
                                     busy_ns=int(latency * 1e9))
+
+    def fast_premium_earned(self, ctx: RequestContext) -> bool:
+        """Whether a request served by the fast tier pays its price: its workload class has shown
+        the configured speed-up over the standard tier here, on enough requests of each."""
+        floor = self.config.pricing.fast_min_speedup
+        if floor <= 0:
+            return True
+        cls = workload_class(ctx)
+        fast, std = self.speeds.get((FAST, cls)), self.speeds.get((STANDARD, cls))
+        need = self.config.pricing.fast_min_samples
+        if fast is None or std is None or fast.served_as_asked < need or std.requests < need:
+            return False
+        return fast.completion_tokens * std.seconds >= floor * std.completion_tokens * fast.seconds
 
     def _observe_speed(self, ctx: RequestContext, priced: PricedUsage, cost: Cost, latency: float) -> None:
         asked = ctx.requested_tier or ctx.tier

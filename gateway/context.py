@@ -36,6 +36,9 @@ class RequestContext:
     tier: str                               # the tier that serves (and prices) the request
     started: float
     requested_tier: str = ""                # the tier asked for, when another one serves it
+    # The tier whose price is billed when it is not the serving tier's: a fast request of a class
+    # whose measured speed-up is below the floor (pricing.fast_min_speedup) pays the standard price.
+    priced_tier: str = ""
     router_tier: str = ""                   # the tier whose router picked the current try
     stream: bool = False
     session_id: str = ""

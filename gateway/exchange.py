@@ -34,6 +34,7 @@ from .limits import StreamLease, StreamLimiter, stream_owner
 from .relay import StreamRelay
 from .routing import Routing
 from .schemas import ChatShaped
+from .tiers import FAST, STANDARD
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -157,6 +158,8 @@ class Exchange:
         decision = p.routing.pick(ctx, ctx.route, candidates)
         replica = decision.replica
         ctx.bind(replica, decision.predicted_cached_tokens)
+        if ctx.tier == FAST and self.billed and not p.accounting.fast_premium_earned(ctx):
+            ctx.priced_tier = STANDARD  # the premium follows the speed-up measured for this class
         p.routing.sent(ctx, decision)
         if ctx.adapter is not None:
             # Counted on the replica before any load: a full replica never unloads an adapter

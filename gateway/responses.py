@@ -41,6 +41,8 @@ def yieldgate_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     ]
     if ctx.requested_tier:
         headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))
+    if ctx.priced_tier:
+        headers.append((b"x-yieldgate-priced-tier", ctx.priced_tier.encode("latin-1")))
     if ctx.cost_header:
         headers.append((b"x-yieldgate-cost-usd", ctx.cost_header.encode("latin-1")))
     if ctx.reservation is not None and ctx.reservation.over_soft_budget:

@@ -104,6 +104,12 @@ class LimitsConfig(msgspec.Struct, forbid_unknown_fields=True):
 class PricingConfig(msgspec.Struct, forbid_unknown_fields=True):
     # models[model][tier]; the "default" model entry prices unknown model names.
     models: dict[str, dict[str, TierPrice]] = msgspec.field(default_factory=_default_models)
+    # The fast tier's premium is billed for a workload class (API x greedy/sampled) only once the
+    # gateway has measured its speed-up over the standard tier, on at least fast_min_samples
+    # requests of each tier, at fast_min_speedup or more; until then, and below it, fast requests
+    # of that class pay the standard price. 0 = always the fast price.
+    fast_min_speedup: float = 1.5
+    fast_min_samples: int = 20
     replicas: dict[str, ReplicaCost] = msgspec.field(default_factory=dict)
     # adapters[name]; the "default" entry prices adapters not listed; none: the base model's prices.
     adapters: dict[str, AdapterPrice] = msgspec.field(default_factory=dict)
