@@ -124,6 +124,9 @@ admin_token = "{admin_token}"
 redis_url = "{redis_url}"
 postgres_url = "{postgres_url}"
 
+[pricing]
+fast_min_speedup = 0   # the fast price as listed; its floor has a test of its own (test_fast_price_floor.py)
+
 [pricing.ledger]
 store = "postgres"
 

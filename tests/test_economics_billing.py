@@ -31,6 +31,7 @@ SHARED_PEPPER = "test-pepper-" + uuid.uuid4().hex
 
 def economics_config(stack, tmp_path, redis_url: str, **server) -> Config:
     pricing = PricingConfig(
+        fast_min_speedup=0,  # the fast price as listed (the floor: test_fast_price_floor.py)
         models={"demo": {"standard": TierPrice(input=Decimal("0.37"), cached_input=Decimal("0.05"),
                                                output=Decimal("1.13")),
                          "fast": TierPrice(input=Decimal("0.91"))}},
