@@ -8,8 +8,8 @@ the last writer's last confirmed batch, rows lost and doubled (counted in the ta
 was sent), and bytes per row on disk (pg_total_relation_size of every partition / rows).
 
 Goals (issue #45): >= 10,000 rows/s sustained from 8 writers, 0 lost, 0 doubled, <= 400 bytes/row.
-Every run is kept in benchmarks/results/ledger_postgres.json; the summary (median and range) is
-recomputed from all of them.
+Every run of an invocation is kept in benchmarks/results/ledger_postgres.json with the harness's
+meta (commit, machine, load), summarized as median and range.
 
     .venv/bin/python benchmarks/ledger_postgres.py --runs 3
 """
@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import secrets
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from decimal import Decimal
 from pathlib import Path
 
+import harness  # benchmarks/harness.py, beside this script
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = ROOT / "benchmarks" / "results" / "ledger_postgres.json"
+MEASURES = ["pricing/ledger.py", "pricing/journal.py", "pricing/record.py", "pricing/stores/",
+            "benchmarks/ledger_postgres.py"]
 GOAL_ROWS_PER_S = 10_000
 GOAL_BYTES_PER_ROW = 400
 
@@ -154,16 +155,6 @@ def one_run(args: argparse.Namespace) -> dict:
         asyncio.run(admin(args.server, f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)'))
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    pg = subprocess.run(["psql", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_model": cpu,
-            "cpus": os.cpu_count(), "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-            "postgres": pg, "python": sys.version.split()[0]}
-
-
 def summarize(runs: list[dict]) -> dict:
     rates = [r["rows_per_s"] for r in runs]
     sizes = [r["bytes_per_row"] for r in runs]
@@ -188,29 +179,28 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=500, help="records per INSERT (pricing.ledger.batch_size)")
     ap.add_argument("--flush-interval-s", type=float, default=0.2)
     ap.add_argument("--warmup-s", type=float, default=5.0, help="writers build their records before this")
-    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=harness.DEFAULT_RUNS)
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--no-record", action="store_true", help="print only; keep the result file as it is")
     args = ap.parse_args()
-    doc = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "ledger_postgres", "runs": []}
+    rec = harness.Recording("ledger_postgres", MEASURES, out=args.out)
+    runs = []
     for i in range(args.runs):
-        meta = machine()
         run = one_run(args)
-        run["meta"] = meta | {"load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+        run["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
         print(f"run {i + 1}/{args.runs}: {run['rows_per_s']:,} rows/s over {run['seconds']} s from "
               f"{run['writers']} writers; {run['lost']} lost, {run['doubled']} doubled; "
               f"{run['bytes_per_row']} bytes/row on disk ({run['heap_bytes_per_row']} heap); "
-              f"load {meta['load_avg_1_5_15']}", flush=True)
-        doc["runs"].append(run)
-    doc["summary"] = summarize(doc["runs"])
-    s = doc["summary"]
+              f"load {run['load_avg_after']}", flush=True)
+        runs.append(run)
+    s = summarize(runs)
     print(f"all {s['runs']} runs: rows/s median {s['rows_per_s']['median']:,} "
           f"(range {s['rows_per_s']['min']:,}-{s['rows_per_s']['max']:,}); bytes/row median "
           f"{s['bytes_per_row']['median']} (range {s['bytes_per_row']['min']}-{s['bytes_per_row']['max']}); "
           f"{s['lost']} lost, {s['doubled']} doubled; goal met: {s['goal_met']}")
     if not args.no_record:
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"[result] {args.out}")
+        rec.write(runs=runs, summary=s, setup=f"{args.writers} writers x {args.rows_per_writer:,} rows, "
+                                              f"batches of {args.batch_size}, one PostgreSQL on loopback")
 
 
 if __name__ == "__main__":

@@ -472,6 +472,17 @@ def chaos_redis() -> str:
             f"{c['ledger_matches_clients']:,} ledger rows match the clients' costs (asserted)")
 
 
+def ledger_postgres() -> str:
+    d = load("ledger_postgres")
+    runs = d["runs"]
+    rates, sizes = [r["rows_per_s"] for r in runs], [r["bytes_per_row"] for r in runs]
+    lost, doubled = sum(r["lost"] for r in runs), sum(r["doubled"] for r in runs)
+    return (f"{bold(median_range(rates, lambda v: f'{v:,.0f}') + ' rows/s', statistics.median(rates) >= 10_000)} "
+            f"from {runs[0]['writers']} gateway ledger writers; "
+            f"{bold(median_range(sizes, lambda v: f'{v:.0f}') + ' bytes a row on disk', max(sizes) <= 400)}; "
+            f"{failed(lost, 'lost')}, {failed(doubled, 'doubled')} ({len(runs)} runs)")
+
+
 def chaos_gateway() -> str:
     c = counts("chaos_gateway")
     return f"{of(c['in_ledger_once'], c['answered'])} acknowledged requests in the ledger, once (asserted)"
@@ -604,6 +615,9 @@ BENCHMARKS = [
               chaos_redis, files=["chaos_redis"], **suite("test_chaos_gateway.py")),
     Benchmark("chaos_gateway", "gateway SIGKILLed and restarted", "0 lost", "`scripts/dev test -k chaos_gateway`",
               chaos_gateway, files=["chaos_gateway"], **suite("test_chaos_gateway.py")),
+    Benchmark("ledger_postgres", "ledger into one PostgreSQL (LiteLLM: 6.3 KB a spend row)",
+              "≥ 10,000 rows/s; ≤ 400 B a row; 0 lost, 0 doubled", "`python benchmarks/ledger_postgres.py`",
+              ledger_postgres, run=["benchmarks/ledger_postgres.py"]),
 ]
 
 
