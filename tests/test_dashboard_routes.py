@@ -32,8 +32,7 @@ def test_dashboard_splits_requests_cost_and_cached_share_by_route(tmp_path):
             return Ledger()
 
         dashboard = Dashboard.__new__(Dashboard)  # only the ledger views: no sampling task
-        dashboard.gw = types.SimpleNamespace(accounting=types.SimpleNamespace(ledger=object(),
-                                                                              flushed_ledger=flushed_ledger))
+        dashboard.accounting = types.SimpleNamespace(ledger=object(), flushed_ledger=flushed_ledger)
         dashboard._ledger_cache = None
         try:
             return await dashboard._ledger_views()
