@@ -82,6 +82,7 @@ def both_engines(stack, redis_url: str, names: list[str], data_dir: Path) -> Con
                                       health_interval_s=0.5, scrape_interval_s=0.2))
     config.pricing.limits.key_pepper = PEPPER
     config.pricing.ledger.flush_interval_s = 0.05
+    config.pricing.fast_min_speedup = 0  # ledger rows name the serving tier (the floor: test_fast_price_floor.py)
     return config
 
 

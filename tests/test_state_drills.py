@@ -67,7 +67,7 @@ def state_config(upstream: str, redis_url: str, pg_url: str, data_dir: Path, sto
     config = Config(
         server=ServerConfig(admin_token=ADMIN, require_keys=True, redis_url=redis_url, postgres_url=pg_url,
                             data_dir=str(data_dir), cache_check_s=0.5),
-        fleet=FleetConfig(replicas=[ReplicaConfig(name="fake-0", url=upstream)],
+        fleet=FleetConfig(model="demo", replicas=[ReplicaConfig(name="fake-0", url=upstream)],
                           tiers={"standard": TierConfig(policy="round_robin")}))
     config.pricing.ledger.store = store  # type: ignore[assignment]
     config.pricing.ledger.flush_interval_s = FLUSH_S
