@@ -617,7 +617,7 @@ BENCHMARKS = [
               chaos_gateway, files=["chaos_gateway"], **suite("test_chaos_gateway.py")),
     Benchmark("ledger_postgres", "ledger into one PostgreSQL (LiteLLM: 6.3 KB a spend row)",
               "≥ 10,000 rows/s; ≤ 400 B a row; 0 lost, 0 doubled", "`python benchmarks/ledger_postgres.py`",
-              ledger_postgres, run=["benchmarks/ledger_postgres.py"]),
+              ledger_postgres, run=["benchmarks/ledger_postgres.py"], files=["ledger_postgres"]),
 ]
 
 
