@@ -274,7 +274,8 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         self.model = self.model or served_name(self.model_path)
         discovered = sorted(t for t, c in self.tiers.items() if c.discovered)
-        if not self.replicas and not discovered:
+        demo = not self.replicas and not discovered
+        if demo:
             self.replicas = demo_replicas(self.demo_base_port, self.demo_engine_args, self.demo_tool_call_parser)
             for replica, host in zip(self.replicas, self.demo_hosts):
                 replica.launch.host = host  # type: ignore[union-attr]
@@ -282,6 +283,13 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
             present = sorted({r.tier for r in self.replicas})
             # Same model on both tiers: each serves the other's requests while it has no replica.
             self.tiers = {t: TierConfig(fallback=next((o for o in present if o != t), "")) for t in present}
+            if demo:
+                # The demo's fast engine speculates only where it pays: greedy requests. Sampled ones
+                # go to the standard engine at the standard price (docs/routing.md#speculation);
+                # vLLM 0.32 on CPU also samples garbage with n-gram drafts when a request's sampling
+                # comes from the model's generation_config (SmolLM2's T 0.2), not from the request.
+                self.tiers["fast"] = TierConfig(policy="speculation_aware", plain_tier="standard",
+                                                fallback="standard")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError("replica names must be unique")

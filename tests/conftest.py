@@ -135,6 +135,14 @@ model = "demo"
 block_size = 32
 demo_base_port = {ENGINE_BASE_PORT}
 demo_hosts = {list(ENGINE_HOSTS)}
+
+# Both tiers route cache-aware, so a sampled fast request reaches the fast engine (the demo's own
+# speculation-aware fast tier has tests of its own: test_fast_tier_speculation.py).
+[fleet.tiers.standard]
+fallback = "fast"
+
+[fleet.tiers.fast]
+fallback = "standard"
 """
 
 
