@@ -53,9 +53,16 @@ def pg_url():
         yield url
 
 
+@pytest.fixture(scope="module")
+def redis_url() -> str:
+    """A Redis DB of the drills' own (YIELDGATE_TEST_DRILL_REDIS_DB, default 14): they FLUSHDB it, and
+    the session stack's gateway on the suite's DB would notice, re-mark it and rebuild mid-drill."""
+    return f"redis://127.0.0.1:6379/{os.environ.get('YIELDGATE_TEST_DRILL_REDIS_DB', '14')}"
+
+
 @pytest.fixture
 def redis_db(redis_url):
-    """The suite's own Redis DB, empty before and after (these drills FLUSHDB it)."""
+    """The drills' Redis DB, empty before and after (these drills FLUSHDB it)."""
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     yield r
