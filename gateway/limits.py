@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import RateLimited
+from .errors import TooManyRequests
 
 
 def stream_owner(key: Any, client_host: str | None) -> str:
@@ -44,10 +44,10 @@ class StreamLimiter:
         return self._open.get(owner, 0)
 
     def acquire(self, owner: str) -> StreamLease:
-        """Take a stream slot or raise RateLimited (429); per_owner <= 0 disables the limit."""
+        """Take a stream slot or raise TooManyRequests (429); per_owner <= 0 disables the limit."""
         held = self._open.get(owner, 0)
         if self.per_owner > 0 and held >= self.per_owner:
-            raise RateLimited(
+            raise TooManyRequests(
                 f"Too many concurrent streams: at most {self.per_owner} per API key. "
                 "Close a stream or retry later.",
                 code="too_many_streams", headers={"retry-after": "1"})
