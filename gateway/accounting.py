@@ -41,8 +41,7 @@ from yieldgate.pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, Fleet
                      ReplicaCost, Reservation, SQLiteStore, StoreUnavailable, Usage)
 from yieldgate.pricing.epoch import CacheEpoch
 from yieldgate.pricing.key_record import PostgresKeyRecord
-from yieldgate.serving.config import home_dir
-from yieldgate.serving.fleet import Fleet
+from yieldgate.serving import Fleet, home_dir
 
 from .errors import AuthenticationError, QuotaExceeded, ServiceUnavailable, TooManyRequests
 from .http import bearer_token

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yieldgate.pricing import ApiKey, Reservation
-from yieldgate.serving.adapters import AdapterRoute
-from yieldgate.serving.fleet import Replica
+from yieldgate.serving import AdapterRoute, Replica
 
 
 @dataclass(slots=True)

@@ -19,9 +19,7 @@ import msgspec
 
 from yieldgate.cache import RouteRequest, adapter_candidacy
 from yieldgate.pricing import ApiKey, Usage
-from yieldgate.serving.adapters import AdapterError, Adapters
-from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.upstream import UpstreamConnectError
+from yieldgate.serving import AdapterError, Adapters, Fleet, Replica, UpstreamConnectError
 
 from .accounting import Accounting
 from .affinity import ResponseAffinity
