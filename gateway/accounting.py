@@ -47,7 +47,8 @@ from .errors import AuthenticationError, QuotaExceeded, ServiceUnavailable, TooM
 from .http import bearer_token
 from .context import RequestContext
 from .metrics import GatewayMetrics
-from .schemas import ChatShaped
+from .schemas import (ChatCompletionRequest, ChatShaped, CompletionRequest, CountTokensRequest,
+                      MessagesRequest)
 from .tiers import FAST, STANDARD
 
 if TYPE_CHECKING:
@@ -98,17 +99,19 @@ def workload_class(ctx: RequestContext) -> str:
     return f"{ctx.kind}, {'greedy' if temperature == 0 else 'sampled'}"
 
 
+_WITH_MESSAGES = (ChatCompletionRequest, MessagesRequest, CountTokensRequest)
+
+
 def prompt_size(typed: Any) -> tuple[int, int, int | None]:
     """(characters, UTF-8 byte upper bound, exact token count if the prompt is token ids)."""
     chars = upper = 0
     texts: list[str] = []
-    messages = getattr(typed, "messages", None)
     if isinstance(typed, ChatShaped):  # Responses and Messages requests, as the chat template sees them
         for m in typed.chat_messages():
             upper += _TEMPLATE_TOKENS_PER_MESSAGE
             texts.append(m["content"])
-    elif messages is not None:
-        for m in messages:
+    elif isinstance(typed, ChatCompletionRequest):
+        for m in typed.messages:
             upper += _TEMPLATE_TOKENS_PER_MESSAGE
             content = m.content
             if isinstance(content, str):
@@ -116,8 +119,8 @@ def prompt_size(typed: Any) -> tuple[int, int, int | None]:
             elif isinstance(content, list):
                 texts.extend(p["text"] for p in content
                              if isinstance(p, dict) and isinstance(p.get("text"), str))
-    else:
-        prompt = getattr(typed, "prompt", None)
+    elif isinstance(typed, CompletionRequest):
+        prompt = typed.prompt
         if isinstance(prompt, str):
             texts.append(prompt)
         elif isinstance(prompt, list) and prompt:
@@ -401,7 +404,7 @@ class Accounting:
         chars, _, exact = prompt_size(typed)
         if exact is not None:
             return exact
-        n = len(getattr(typed, "messages", None) or ()) or 1
+        n = len(typed.messages) if isinstance(typed, _WITH_MESSAGES) else 1
         return math.ceil(chars / self.chars_per_token) + 4 * n
 
     # -- after the response ------------------------------------------------------------------------
