@@ -54,7 +54,7 @@ def test_every_package_has_a_face_whose_names_resolve():
 
     for package in PACKAGES:
         face = importlib.import_module(f"yieldgate.{package}")
-        names = getattr(face, "__all__", None)
+        names = vars(face).get("__all__")
         assert names, f"yieldgate.{package} has no __all__"
         assert len(names) == len(set(names)), f"yieldgate.{package}.__all__ names something twice"
         missing = [n for n in names if not hasattr(face, n)]
