@@ -37,20 +37,18 @@ from redis.exceptions import RedisError
 
 from yieldgate.pricing import (ApiKey, BudgetEnforcer, CacheAdvisor, Cost, FleetCostMeter, InsufficientQuota,
                      InvalidApiKey, KeyStore, Ledger, LedgerConfig, LedgerError, LedgerRecord,
-                     LimiterUnavailable, PostgresStore, PriceBook, RateLimiter, RedisStore, ReplicaCost,
-                     Reservation, SQLiteStore, StoreUnavailable)
+                     LimiterUnavailable, PostgresStore, PriceBook, RateLimited, RateLimiter, RedisStore,
+                     ReplicaCost, Reservation, SQLiteStore, StoreUnavailable, Usage)
 from yieldgate.pricing.epoch import CacheEpoch
 from yieldgate.pricing.key_record import PostgresKeyRecord
-from yieldgate.pricing import RateLimited as PricingRateLimited
-from yieldgate.pricing import Usage as PricedUsage
-from yieldgate.serving.config import home_dir
-from yieldgate.serving.fleet import Fleet
+from yieldgate.serving import Fleet, home_dir
 
-from .errors import AuthenticationError, QuotaExceeded, RateLimited, ServiceUnavailable
+from .errors import AuthenticationError, QuotaExceeded, ServiceUnavailable, TooManyRequests
 from .http import bearer_token
-from .context import RequestContext, Usage
+from .context import RequestContext
 from .metrics import GatewayMetrics
-from .schemas import ChatShaped
+from .schemas import (ChatCompletionRequest, ChatShaped, CompletionRequest, CountTokensRequest,
+                      MessagesRequest)
 from .tiers import FAST, STANDARD
 
 if TYPE_CHECKING:
@@ -101,17 +99,19 @@ def workload_class(ctx: RequestContext) -> str:
     return f"{ctx.kind}, {'greedy' if temperature == 0 else 'sampled'}"
 
 
+_WITH_MESSAGES = (ChatCompletionRequest, MessagesRequest, CountTokensRequest)
+
+
 def prompt_size(typed: Any) -> tuple[int, int, int | None]:
     """(characters, UTF-8 byte upper bound, exact token count if the prompt is token ids)."""
     chars = upper = 0
     texts: list[str] = []
-    messages = getattr(typed, "messages", None)
     if isinstance(typed, ChatShaped):  # Responses and Messages requests, as the chat template sees them
         for m in typed.chat_messages():
             upper += _TEMPLATE_TOKENS_PER_MESSAGE
             texts.append(m["content"])
-    elif messages is not None:
-        for m in messages:
+    elif isinstance(typed, ChatCompletionRequest):
+        for m in typed.messages:
             upper += _TEMPLATE_TOKENS_PER_MESSAGE
             content = m.content
             if isinstance(content, str):
@@ -119,8 +119,8 @@ def prompt_size(typed: Any) -> tuple[int, int, int | None]:
             elif isinstance(content, list):
                 texts.extend(p["text"] for p in content
                              if isinstance(p, dict) and isinstance(p.get("text"), str))
-    else:
-        prompt = getattr(typed, "prompt", None)
+    elif isinstance(typed, CompletionRequest):
+        prompt = typed.prompt
         if isinstance(prompt, str):
             texts.append(prompt)
         elif isinstance(prompt, list) and prompt:
@@ -387,8 +387,8 @@ class Accounting:
                                                   ctx.adapter.name if ctx.adapter else ""))
                 if ctx.reservation.over_soft_budget:  # a soft budget flags, never refuses
                     self.metrics.soft_budget_exceeded.labels(key.id, key.team).inc()
-        except PricingRateLimited as exc:
-            raise RateLimited(
+        except RateLimited as exc:
+            raise TooManyRequests(
                 f"Rate limit reached for key {key.id} ({exc.limit}): retry after "
                 f"{exc.retry_after_s:.1f}s.",
                 headers={"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}) from None
@@ -404,7 +404,7 @@ class Accounting:
         chars, _, exact = prompt_size(typed)
         if exact is not None:
             return exact
-        n = len(getattr(typed, "messages", None) or ()) or 1
+        n = len(typed.messages) if isinstance(typed, _WITH_MESSAGES) else 1
         return math.ceil(chars / self.chars_per_token) + 4 * n
 
     # -- after the response ------------------------------------------------------------------------
@@ -432,11 +432,7 @@ class Accounting:
         if usage is None and status in _ESTIMATED and ctx.replica is not None:
             usage = self._estimate_aborted(ctx)
             estimated = True
-        priced = PricedUsage()
-        if usage is not None:
-            prompt = max(usage.prompt_tokens, 0)
-            priced = PricedUsage(prompt, min(max(usage.cached_tokens, 0), prompt),
-                                 max(usage.completion_tokens, 0))
+        priced = usage if usage is not None else Usage()
         price_tier = ctx.priced_tier or ctx.tier
         cost = self.price_book.cost(ctx.model, price_tier, priced, ctx.adapter.name if ctx.adapter else "") \
             if usage is not None else Cost()
@@ -459,7 +455,7 @@ class Accounting:
         # Totals, token and cost counters and the cache advisor only feed the dashboard and the
         # metrics: they run right after the response is written, not before (~40 µs per request).
         loop = asyncio.get_running_loop()
-        loop.call_soon(self._count, ctx, usage, priced, cost, latency, estimated)
+        loop.call_soon(self._count, ctx, priced, cost, latency, estimated)
         # The advisor compares a prompt with the previous one of its session; without a session all
         # of a key's requests share one slot, so sample those (diagnosing a 600-token prompt costs ~80 µs).
         if ctx.prompt_tokens and (ctx.session_id or next(self._advisor_sample) % ADVISOR_SAMPLE == 0):
@@ -468,7 +464,7 @@ class Accounting:
         ctx.cost_header = cost.header_value()
         return {} if estimated else {"cost": cost.to_wire()}
 
-    def _count(self, ctx: RequestContext, usage: Usage, priced: PricedUsage, cost: Cost,
+    def _count(self, ctx: RequestContext, priced: Usage, cost: Cost,
                latency: float, estimated: bool) -> None:
         labels = (ctx.tier, ctx.model)
         if self._request_metrics:
@@ -489,7 +485,7 @@ class Accounting:
                 m.aborted_estimated_tokens.labels("completion", ctx.tier).inc(priced.completion_tokens)
             else:
                 inc(c.predicted_cached, ctx.predicted_cached_tokens)
-                self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - usage.cached_tokens))
+                self.metrics.batch.observe(c.prediction_error, abs(ctx.predicted_cached_tokens - priced.cached_tokens))
             if ctx.adapter is not None:
                 m = self.metrics
                 labels = m.adapter_series(ctx.adapter.name, ctx.adapter.label)
@@ -524,7 +520,7 @@ class Accounting:
             return False
         return fast.completion_tokens * std.seconds >= floor * std.completion_tokens * fast.seconds
 
-    def _observe_speed(self, ctx: RequestContext, priced: PricedUsage, cost: Cost, latency: float) -> None:
+    def _observe_speed(self, ctx: RequestContext, priced: Usage, cost: Cost, latency: float) -> None:
         asked = ctx.requested_tier or ctx.tier
         key = (asked, workload_class(ctx))
         s = self.speeds.get(key)
@@ -550,9 +546,9 @@ class Accounting:
         completion = ctx.relayed_tokens
         if ctx.max_tokens:
             completion = min(completion, ctx.max_tokens)
-        return Usage(prompt, min(ctx.predicted_cached_tokens, prompt), completion)
+        return Usage.reported(prompt, ctx.predicted_cached_tokens, completion)
 
-    def _after_keyed(self, ctx: RequestContext, key: ApiKey, cost: Cost, usage: PricedUsage,
+    def _after_keyed(self, ctx: RequestContext, key: ApiKey, cost: Cost, usage: Usage,
                      finished_at: float) -> None:
         """Budget settle and TPM top-up need Redis: off the response path, awaited on close."""
         if ctx.reservation is not None:

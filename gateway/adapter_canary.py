@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from yieldgate.pricing.release_gate import OutcomeRule, verdict
 from yieldgate.pricing.report import SuccessRow
-from yieldgate.serving.adapters import AdapterError, Adapters, engine_name
+from yieldgate.serving import AdapterError, Adapters, engine_name
 
 from .accounting import Accounting
 from .adapters import adapter_api_error, adapter_doc

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from yieldgate.serving.adapters import AdapterError, Adapters
-from yieldgate.serving.config import FleetConfig, home_dir
-from yieldgate.serving.peft import IncompatibleAdapter, InvalidAdapter, check_packed_adapter, unpack_adapter
+from yieldgate.serving import (
+    AdapterError, Adapters, FleetConfig, IncompatibleAdapter, InvalidAdapter, check_packed_adapter,
+    home_dir, unpack_adapter,
+)
 
 from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError, InvalidRequest, PayloadTooLarge

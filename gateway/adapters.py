@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from yieldgate.serving.adapters import AdapterError, Adapters
+from yieldgate.serving import AdapterError, Adapters
 
 from .errors import APIError
 from .http import decode_body, json_response

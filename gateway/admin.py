@@ -29,7 +29,7 @@ from .errors import InvalidRequest, NotFound, ServiceUnavailable
 from .http import decode_body, json_response
 
 if TYPE_CHECKING:
-    from yieldgate.serving.fleet import Fleet
+    from yieldgate.serving import Fleet
     from yieldgate.trainer_bridge.orchestrator import WeightOrchestrator
 
     from .accounting import Accounting

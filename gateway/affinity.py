@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from yieldgate.serving.fleet import Fleet, Replica
+from yieldgate.serving import Fleet, Replica
 
 from .context import RequestContext
 from .errors import PreviousResponseNotFound, ServiceUnavailable

@@ -14,7 +14,9 @@ from typing import Any, Iterator
 import msgspec
 from starlette.responses import Response
 
-from .context import RequestContext, Usage
+from yieldgate.pricing import Usage
+
+from .context import RequestContext
 from .errors import (APIError, anthropic_error_body, anthropic_error_response, anthropic_status, error_body)
 from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                       ResponsesRequest)
@@ -29,6 +31,16 @@ _ANTHROPIC_SERVICE_TIER = {"standard": "standard", "fast": "priority"}
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and value > 0 else 0
+
+
+def _usage(wire: Any, prompt: str, details: str, completion: str) -> Usage:
+    """OpenAI's shape of usage (chat, completions, Responses): the prompt's tokens, their cached
+    part in `details`.cached_tokens, the completion's tokens."""
+    if not isinstance(wire, dict):
+        return Usage()
+    part = wire.get(details)
+    cached = part.get("cached_tokens") if isinstance(part, dict) else 0
+    return Usage.reported(_int(wire.get(prompt)), _int(cached), _int(wire.get(completion)))
 
 
 class Api:
@@ -87,7 +99,7 @@ class Api:
 
     def usage(self, answer: dict[str, Any]) -> Usage:
         """The usage of a unary answer (or of the final stream event)."""
-        return Usage.from_wire(answer.get("usage"))
+        return _usage(answer.get("usage"), "prompt_tokens", "prompt_tokens_details", "completion_tokens")
 
     def final_usage(self, event: dict[str, Any]) -> Usage:
         return self.usage(event)
@@ -153,12 +165,7 @@ class ResponsesApi(Api):
             yield event.get("output_index"), event.get("delta")
 
     def usage(self, answer: dict[str, Any]) -> Usage:
-        u = answer.get("usage")
-        if not isinstance(u, dict):
-            return Usage()
-        details = u.get("input_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        return Usage(_int(u.get("input_tokens")), _int(cached), _int(u.get("output_tokens")))
+        return _usage(answer.get("usage"), "input_tokens", "input_tokens_details", "output_tokens")
 
     def final_usage(self, event: dict[str, Any]) -> Usage:
         response = event.get("response")
@@ -214,7 +221,7 @@ class MessagesApi(Api):
             return Usage()
         cached = _int(u.get("cache_read_input_tokens"))
         prompt = _int(u.get("input_tokens")) + cached + _int(u.get("cache_creation_input_tokens"))
-        return Usage(prompt, cached, _int(u.get("output_tokens")))
+        return Usage.reported(prompt, cached, _int(u.get("output_tokens")))
 
     def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
         wire = answer.get("usage")

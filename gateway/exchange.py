@@ -18,16 +18,14 @@ from typing import Any
 import msgspec
 
 from yieldgate.cache import RouteRequest, adapter_candidacy
-from yieldgate.pricing import ApiKey
-from yieldgate.serving.adapters import AdapterError, Adapters
-from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.upstream import UpstreamConnectError
+from yieldgate.pricing import ApiKey, Usage
+from yieldgate.serving import AdapterError, Adapters, Fleet, Replica, UpstreamConnectError
 
 from .accounting import Accounting
 from .affinity import ResponseAffinity
 from .apis import ANTHROPIC, APIS, Api
 from .config import Config
-from .context import RequestContext, Usage
+from .context import RequestContext
 from .errors import PayloadTooLarge, ServiceUnavailable, UpstreamError
 from .intake import Intake, open_request, upstream_payload
 from .limits import StreamLease, StreamLimiter, stream_owner

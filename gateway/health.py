@@ -7,7 +7,7 @@ from typing import Any, Callable
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from yieldgate.serving.fleet import Fleet
+from yieldgate.serving import Fleet
 
 from .drain import Drain
 from .http import json_response

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from yieldgate.pricing import ApiKey
-from yieldgate.serving.adapters import Adapters
+from yieldgate.serving import Adapters
 
 from .apis import APIS
 from .config import RequestLimits

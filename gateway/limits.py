@@ -6,16 +6,15 @@ able to occupy a whole tier. Counting is in-process: each gateway enforces its o
 
 from __future__ import annotations
 
-from typing import Any
+from yieldgate.pricing import ApiKey
 
-from .errors import RateLimited
+from .errors import TooManyRequests
 
 
-def stream_owner(key: Any, client_host: str | None) -> str:
+def stream_owner(key: ApiKey | None, client_host: str | None) -> str:
     """Who a stream counts against: the API key if there is one, else the client address."""
     if key is not None:
-        ident = getattr(key, "id", None) or getattr(key, "key_id", None) or getattr(key, "name", None)
-        return f"key:{ident or key}"
+        return f"key:{key.id}"
     return f"ip:{client_host or 'unknown'}"
 
 
@@ -44,10 +43,10 @@ class StreamLimiter:
         return self._open.get(owner, 0)
 
     def acquire(self, owner: str) -> StreamLease:
-        """Take a stream slot or raise RateLimited (429); per_owner <= 0 disables the limit."""
+        """Take a stream slot or raise TooManyRequests (429); per_owner <= 0 disables the limit."""
         held = self._open.get(owner, 0)
         if self.per_owner > 0 and held >= self.per_owner:
-            raise RateLimited(
+            raise TooManyRequests(
                 f"Too many concurrent streams: at most {self.per_owner} per API key. "
                 "Close a stream or retry later.",
                 code="too_many_streams", headers={"retry-after": "1"})

@@ -33,8 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from yieldgate.serving.adapters import AdapterLoadFailed, Adapters
-from yieldgate.serving.fleet import Fleet
+from yieldgate.serving import AdapterLoadFailed, Adapters, Fleet
 
 from .accounting import Accounting
 from .adapters import adapter_cards

@@ -23,9 +23,9 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from yieldgate.pricing import ApiKey
-from yieldgate.serving.fleet import Replica
-from yieldgate.serving.upstream import (Endpoint, UpstreamAborted, UpstreamConnectionError, UpstreamPool,
-                                       UpstreamResponse)
+from yieldgate.serving import (
+    Endpoint, Replica, UpstreamAborted, UpstreamConnectionError, UpstreamPool, UpstreamResponse,
+)
 
 from .apis import APIS
 from .context import RequestContext

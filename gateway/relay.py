@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .apis import Api
-from .context import RequestContext, Usage
+from yieldgate.pricing import Usage
+
+from .context import RequestContext
 from .sse import EVENT_END, EventSplitter, events
 
 if TYPE_CHECKING:

@@ -17,9 +17,7 @@ import redis.asyncio as aioredis
 
 from yieldgate.cache import (KVEventSubscriber, PrefixIndex, PrefixIndexConfig, RouteDecision, RouteRequest,
                    Router, RouterConfig, SharedPrefixIndex, Tokenizer, lora_extra_keys, pack_tokens)
-from yieldgate.serving.config import TierConfig
-from yieldgate.serving.fleet import Fleet, Replica
-from yieldgate.serving.redis_link import reachable_redis
+from yieldgate.serving import Fleet, Replica, TierConfig, reachable_redis
 
 from .context import RequestContext
 from .config import Config

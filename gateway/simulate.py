@@ -21,7 +21,7 @@ ADAPTER_POLICIES = "round_robin,least_loaded,cache_aware,adapter_aware"
 def demo_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
     """The tokenizer of `model_dir`, or of the generated tiny model (quick to make; the simulator only counts tokens)."""
     if model_dir is None:
-        from yieldgate.serving.demo_model import ensure_demo_model
+        from yieldgate.serving import ensure_demo_model
         model_dir = ensure_demo_model()
     return Tokenizer.from_model_dir(model_dir)
 

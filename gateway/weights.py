@@ -23,9 +23,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from yieldgate.serving.config import home_dir
-from yieldgate.serving.fleet import Fleet
-from yieldgate.trainer_bridge import orchestrator
+from yieldgate.serving import Fleet, home_dir
+from yieldgate.trainer_bridge.intake import PushIntake
+from yieldgate.trainer_bridge.orchestrator import WeightOrchestrator
+from yieldgate.trainer_bridge.push_intakes import PushIntakes
 from yieldgate.trainer_bridge.errors import (
     REFUSALS,
     InvalidWeightsRequest,
@@ -33,7 +34,7 @@ from yieldgate.trainer_bridge.errors import (
     RolloutConflict,
     WeightsRequestError,
 )
-from yieldgate.trainer_bridge.orchestrator import PushIntake
+from yieldgate.trainer_bridge.replica_fleet import replicas_to_update
 from yieldgate.trainer_bridge.schemas import RESERVED_VERSIONS, PushAnnounce, RollbackRequest, WeightsRequest
 
 from .errors import APIError, InvalidRequest, NotFound
@@ -62,17 +63,17 @@ def _as_http() -> Iterator[None]:
                                                           code=exc.code) from None
 
 
-def weight_orchestrator(fleet: Fleet, forget_cached: Callable[[str], None]) -> orchestrator.WeightOrchestrator:
+def weight_orchestrator(fleet: Fleet, forget_cached: Callable[[str], None]) -> WeightOrchestrator:
     """The orchestrator over this gateway's fleet and model; `forget_cached(replica)` when a
     replica's engine drops its prefix cache."""
     fleet_config = fleet.config
 
     def model_dir() -> str:
-        from yieldgate.serving.models import ensure_model
+        from yieldgate.serving import ensure_model
         return str(ensure_model(fleet_config.model_path, fleet_config.demo_model))
 
-    return orchestrator.WeightOrchestrator(fleet, root=home_dir() / "weights", model=fleet_config.model,
-                                           model_dir=model_dir, forget_cached=forget_cached)
+    return WeightOrchestrator(fleet, root=home_dir() / "weights", model=fleet_config.model,
+                              model_dir=model_dir, forget_cached=forget_cached)
 
 
 def _engine_error(exc: Exception) -> Response:
@@ -88,7 +89,7 @@ def _check_version(version: str | None) -> None:
         raise InvalidRequest(f"version {version!r} is reserved", param="version")
 
 
-def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrchestrator) -> None:
+def build_weights_admin_routes(router: APIRouter, orch: WeightOrchestrator) -> None:
     """Mount the admin half on the (admin-authenticated) /admin router."""
 
     @router.get("/weights")
@@ -101,16 +102,16 @@ def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrche
         _check_version(spec.version)
         with _as_http():
             if spec.source == "push":
-                intake = await orch.open_push(spec)
+                intake = await orch.pushes.open(spec)
                 return json_response({"rollout": intake.state, **_targets(request, intake)}, 202)
-            state = await orch.start_checkpoint(spec)
+            state = await orch.rollouts.from_checkpoint(spec)
         return json_response({"rollout": state}, 200 if spec.wait else 202)
 
     @router.post("/weights/rollback")
     async def weights_rollback(request: Request) -> Response:
         spec: RollbackRequest = await decode_body(request, RollbackRequest)
         with _as_http():
-            state, answer = await orch.rollback(spec)
+            state, answer = await orch.rollouts.rollback(spec)
         return json_response({"rollout": state, **answer}, 200 if state.state == "succeeded" else 500)
 
     @router.post("/weights/push")
@@ -119,7 +120,7 @@ def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrche
         _check_version(spec.version)
         try:
             with _as_http():
-                intake, sessions = await orch.announce(spec)
+                intake, sessions = await orch.pushes.announce(spec)
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - an engine refused or failed: the trainer's error
@@ -136,10 +137,10 @@ def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrche
                              mode: str = "rolling", version: str | None = None) -> Response:
         with _as_http():
             if direct:
-                replicas = orch.select(tier)
-                await orch.ensure_armed(replicas)
+                replicas = replicas_to_update(orch.fleet, tier)
+                await orch.arming.ensure_armed(replicas)
                 return json_response({"engines": [r.url for r in replicas],
-                                      "push_token": orch.engine_token})
+                                      "push_token": orch.arming.token})
             # Naming the version here (push() does) lets a rolling update start as soon as every
             # engine is staging, instead of at the trainer's finish.
             try:
@@ -147,9 +148,9 @@ def build_weights_admin_routes(router: APIRouter, orch: orchestrator.WeightOrche
             except msgspec.ValidationError as exc:
                 raise InvalidRequest(f"invalid weight_targets query: {exc}") from None
             _check_version(spec.version)
-            intake = orch.awaiting(spec.mode, spec.version) or await orch.open_push(spec)
+            intake = orch.pushes.awaiting(spec.mode, spec.version) or await orch.pushes.open(spec)
             return json_response({**_targets(request, intake), "rollout": intake.state.id,
-                                  "dtype": await orch.serving_dtype()})
+                                  "dtype": await orch.dtype.ask()})
 
 
 def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def _targets(request: Request, intake: PushIntake) -> dict[str, Any]:
     return {"engines": engines, "push_token": intake.token}
 
 
-def build_intake_router(orch: orchestrator.WeightOrchestrator) -> APIRouter:
+def build_intake_router(pushes: PushIntakes) -> APIRouter:
     """The engine-shaped push intakes. No admin credential: the push token authenticates.
 
     `/weights/intake/<id>/...` receives into the gateway; `/weights/intake/<id>/engine/<name>/...`
@@ -175,26 +176,26 @@ def build_intake_router(orch: orchestrator.WeightOrchestrator) -> APIRouter:
 
     async def health(rollout_id: str, engine: str = "") -> Response:
         with _as_http():
-            orch.intake(rollout_id, engine)
+            pushes.find(rollout_id, engine)
         return Response(status_code=200)
 
     async def server_info(rollout_id: str, engine: str = "") -> Response:
         with _as_http():
-            resp = await orch.engine_server_info(rollout_id, engine)
+            resp = await pushes.engine_server_info(rollout_id, engine)
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
     async def init(rollout_id: str, request: Request, engine: str = "") -> Response:
         token = str((await body(request)).get("init_info", {}).get("token") or "")
         try:
             with _as_http():
-                orch.arm_intake(rollout_id, engine, token)
+                pushes.arm(rollout_id, engine, token)
         except REFUSALS as exc:
             return _engine_error(exc)
         return json_response({"status": "ok"})
 
     async def start(rollout_id: str, engine: str = "") -> Response:
         with _as_http():
-            intake = orch.intake(rollout_id, engine)
+            intake = pushes.find(rollout_id, engine)
         if engine:
             try:
                 await intake.open_session(engine)
@@ -204,17 +205,17 @@ def build_intake_router(orch: orchestrator.WeightOrchestrator) -> APIRouter:
 
     async def update(rollout_id: str, request: Request, engine: str = "") -> Response:
         with _as_http():
-            intake = orch.intake(rollout_id, engine)
+            intake = pushes.find(rollout_id, engine)
         try:
-            await orch.update(intake, engine, await request.body())
+            await pushes.update(intake, engine, await request.body())
         except Exception as exc:  # noqa: BLE001 - refused, checksum, transfer: the trainer's error
             return _engine_error(exc)
         return json_response({"status": "ok"})
 
     async def finish(rollout_id: str, request: Request, engine: str = "") -> Response:
         with _as_http():
-            intake = orch.intake(rollout_id, engine, finishing=True)
-            state = await orch.finish(intake, (await body(request)).get("weight_version"))
+            intake = pushes.find(rollout_id, engine, finishing=True)
+            state = await pushes.finish(intake, (await body(request)).get("weight_version"))
         if state.state != "succeeded":
             return json_response({"error": {"message": f"rollout failed: {state.reason}",
                                             "type": "server_error", "param": None,
@@ -226,7 +227,7 @@ def build_intake_router(orch: orchestrator.WeightOrchestrator) -> APIRouter:
         return json_response({"success": True})
 
     async def weight_info(rollout_id: str, engine: str = "") -> Response:
-        return json_response({"weight_version": orch.current.version if orch.current else ""})
+        return json_response({"weight_version": pushes.book.current.version if pushes.book.current else ""})
 
     for prefix in ("", "/engine/{engine}"):
         router.add_api_route(prefix + "/health", health, methods=["GET"])

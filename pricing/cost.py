@@ -34,6 +34,13 @@ class Usage(msgspec.Struct, frozen=True):
             raise InvalidUsage(
                 f"cached_tokens ({self.cached_tokens}) > prompt_tokens ({self.prompt_tokens})")
 
+    @classmethod
+    def reported(cls, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> Usage:
+        """Counts as an engine reported them, made billable: a negative count is 0 and the cached
+        part never exceeds the prompt."""
+        prompt = max(prompt_tokens, 0)
+        return cls(prompt, min(max(cached_tokens, 0), prompt), max(completion_tokens, 0))
+
     @property
     def uncached_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens

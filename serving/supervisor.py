@@ -4,7 +4,7 @@ health, with backoff, a bounded number of times per window; then leave it down a
 A restart first kills the engine's whole process group (the API server's EngineCore outlives a
 killed server) and waits until none of it is left, so no orphan holds memory or the port. The
 gateway sees the engine come back through its own health probes and restores its weights before
-admitting it (trainer_bridge/orchestrator.py `WeightOrchestrator.restore`).
+admitting it (trainer_bridge/engine_restore.py `EngineRestore`).
 """
 
 from __future__ import annotations

@@ -101,8 +101,9 @@ def chat_body(content: str, **extra) -> dict:
 
 
 def test_answers_are_billed_once_at_the_price_books_cost(door_factory):
-    """Unary, streamed with usage, streamed without it, and Anthropic Messages: each one ledger
-    record, `ok`, at the price book's cost of its usage; the client sees that cost."""
+    """Chat unary, streamed with usage, streamed without it, completions, Responses and Anthropic
+    Messages: each one ledger record, `ok`, at the price book's cost of its usage; the client sees
+    that cost."""
     door = door_factory()
     prices = book(door)
     ids: list[tuple[str, Decimal | None]] = []
@@ -121,6 +122,13 @@ def test_answers_are_billed_once_at_the_price_books_cost(door_factory):
         costs = [e["usage"]["cost"]["total"] for e in final if e.get("usage")]
         assert bool(costs) == usage  # usage the client did not ask for was billed, not shown
         ids.append((s.headers["x-request-id"], Decimal(str(costs[-1])) if costs else None))
+    for path, body in (("/v1/completions", {"model": "demo", "prompt": "a completion", "max_tokens": 4,
+                                             "temperature": 0}),
+                       ("/v1/responses", {"model": "demo", "input": "a response", "max_output_tokens": 4,
+                                          "temperature": 0, "store": False})):
+        resp = httpx.post(door.url + path, json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        ids.append((resp.headers["x-request-id"], Decimal(str(resp.json()["usage"]["cost"]["total"]))))
     resp = httpx.post(door.url + "/v1/messages", timeout=120, json={
         "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "anthropic question"}]})
     assert resp.status_code == 200, resp.text

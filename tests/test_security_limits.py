@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from yieldgate.gateway.config import Config, RequestLimits
-from yieldgate.gateway.errors import RateLimited
+from yieldgate.gateway.errors import TooManyRequests
 from yieldgate.gateway.limits import StreamLimiter, stream_owner
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
@@ -64,7 +64,7 @@ def test_stream_limiter_counts_per_owner():
     limiter = StreamLimiter(2)
     a1, a2 = limiter.acquire("key:a"), limiter.acquire("key:a")
     limiter.acquire("key:b")
-    with pytest.raises(RateLimited) as exc:
+    with pytest.raises(TooManyRequests) as exc:
         limiter.acquire("key:a")
     assert exc.value.status == 429 and exc.value.code == "too_many_streams"
     a1.release()

@@ -21,7 +21,7 @@ import httpx
 import msgspec
 import torch
 
-from yieldgate.serving.peft import pack_adapter
+from yieldgate.serving import pack_adapter
 from .engine_client import tls_context
 from .errors import AdapterPushRefused
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
-from yieldgate.serving.engine_control import backend_in, dtype_in, is_refusal, tls_context
+from yieldgate.serving import backend_in, dtype_in, is_refusal, tls_context
 from .errors import EngineRequestError, PushRefused
 
 __all__ = ["EngineClient", "tls_context"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from yieldgate.serving.engine_control import EngineCallFailed, EngineRefused
+from yieldgate.serving import EngineCallFailed, EngineRefused
 
 
 class BridgeError(Exception):

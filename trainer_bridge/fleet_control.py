@@ -2,7 +2,7 @@
 over bare engine URLs (`EngineFleet`), and how replicas are grouped into swap waves.
 
 A replica is its engine's base URL. The gateway hands a rollout its own implementation
-(`trainer_bridge.orchestrator.ReplicaFleet`): routability is the gateway's, in-flight is its
+(`trainer_bridge.replica_fleet.ReplicaFleet`): routability is the gateway's, in-flight is its
 own count, a hold queues new requests, notes go to the rollout's timeline.
 """
 
@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import httpx
 
-from yieldgate.serving.engine_control import EngineControl, tls_context
+from yieldgate.serving import EngineControl, tls_context
 
 
 @runtime_checkable

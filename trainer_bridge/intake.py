@@ -13,8 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from yieldgate.serving.engine_control import EngineControl, EngineRefused
-from yieldgate.serving.fleet import Replica
+from yieldgate.serving import EngineControl, EngineRefused, Replica
 from . import wire
 from .errors import PushRefused
 from .receiver import ParamLayout, StagingArea, receive_update_async

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from yieldgate.serving.engine_control import EngineControl
-from yieldgate.serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION, Fleet, Replica
+from yieldgate.serving import BASE_VERSION, ENGINE_BASE_VERSION, EngineControl, Fleet, Replica
+from .errors import InvalidWeightsRequest, RolloutConflict
 from .schemas import RolloutState
 
 
@@ -100,3 +100,14 @@ class ReplicaFleet:
 
     async def sync_version(self, replica: str) -> None:
         self.by_url[replica].label_weights(await engine_version(replica))
+
+
+def replicas_to_update(fleet: Fleet, tier: str | None) -> list[Replica]:
+    """The healthy replicas of `tier` (every tier: None) a weight change acts on."""
+    tiers = fleet.tiers()
+    if tier is not None and tier not in tiers:
+        raise InvalidWeightsRequest(f"unknown tier {tier!r}; fleet has {tiers}", param="tier")
+    picked = [r for r in fleet.replicas.values() if tier is None or r.tier == tier]
+    if not any(r.healthy for r in picked):
+        raise RolloutConflict("no healthy replica to update", code="no_replica")
+    return [r for r in picked if r.healthy]

@@ -36,7 +36,7 @@ from typing import Literal, Protocol
 import httpx
 import msgspec
 
-from yieldgate.serving.engine_control import EngineCallFailed, EngineControl
+from yieldgate.serving import EngineCallFailed, EngineControl
 from .checkpoint import CheckpointStore
 from .config import BridgeConfig
 from .errors import BridgeError, PushFailed, RolloutFailed

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from yieldgate.serving.fleet import BASE_VERSION, ENGINE_BASE_VERSION
+from yieldgate.serving import BASE_VERSION, ENGINE_BASE_VERSION
 from . import wire
 
 RESERVED_VERSIONS = (BASE_VERSION, ENGINE_BASE_VERSION)
