@@ -1,9 +1,9 @@
 """Calibrate the emulated engine's latency model against one real demo engine.
 
-    python benchmarks/emulator_calibration.py [--port 26900]
+    python benchmarks/emulator_calibration.py [--model tiny|smollm2] [--port 26900]
 
-Starts the demo fleet's standard-0 engine (the generated tiny Llama, as `yieldgate up` launches it,
-prefix caching on) and measures, with prompts given as token ids so their lengths are exact:
+Starts the demo fleet's standard-0 engine (as `yieldgate up` launches it, prefix caching on) on the
+generated tiny Llama or on SmolLM2-135M, and measures, with prompts given as token ids so their lengths are exact:
 
 - prefill: unique prompts of 128 to 1,536 tokens with max_tokens 1 -> latency = a + prefill × N;
 - cached prefill: each of those prompts again (its blocks cached) -> context cost per cached token;
@@ -11,8 +11,8 @@ prefix caching on) and measures, with prompts given as token ids so their length
   = step + per-sequence × b.
 
 Fits `cache.simulator.EngineModel` (least squares) and writes
-benchmarks/results/emulator-calibration.json: every measurement, the fit, and the commit. The
-emulator's defaults (serving/emulator.py, `CALIBRATED_ENGINE`) are this fit; a test checks they agree.
+benchmarks/results/emulator-calibration-MODEL.json: every measurement, the fit, and the commit.
+The emulator's engine models (serving/emulator.py, `CALIBRATED`) are these fits; a test checks they agree.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness  # noqa: E402
 from stacks import demo_engine  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "emulator-calibration.json"
+RESULTS = ROOT / "benchmarks" / "results"
 PREFILL_LENGTHS = (128, 256, 512, 1024, 1536)
 DECODE_BATCHES = (1, 4, 16)
 DECODE_TOKENS = 64
@@ -113,23 +113,34 @@ def fit(m: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=26900)
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
+    out = args.out or str(RESULTS / f"emulator-calibration-{args.model}.json")
     load_before = os.getloadavg()[0]
     home = Path(tempfile.mkdtemp(prefix="yg-calib-"))
     os.environ["YIELDGATE_HOME"] = str(home)  # the engine's KV-event socket and logs go here
-    with demo_engine(args.port, lora=False, log_path=home / "engine.log") as url:
+    if args.model == "smollm2":
+        from yieldgate.serving.smollm2 import ensure_smollm2
+
+        model_dir = ensure_smollm2()
+    else:
+        from yieldgate.serving.demo_model import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    with demo_engine(args.port, lora=False, log_path=home / "engine.log", model_dir=model_dir) as url:
         m = asyncio.run(measure(url, seed=0))
     f = fit(m)
     print(json.dumps(f, indent=1))
-    doc = {"meta": harness.meta(["serving/demo_model.py", "serving/launcher.py", "benchmarks/emulator_calibration.py"],
-                                setup="one demo engine (generated tiny Llama, standard-0 flags), prompts as token ids; "
+    doc = {"meta": harness.meta(["serving/demo_model.py", "serving/smollm2.py", "serving/launcher.py",
+                                 "benchmarks/emulator_calibration.py"],
+                                setup=f"one demo engine ({args.model}, standard-0 flags), prompts as token ids; "
                                       f"prefill {PREFILL_LENGTHS} tokens, decode batches {DECODE_BATCHES} x "
                                       f"{DECODE_TOKENS} tokens, {REPEATS} rounds",
                                 load_before=load_before),
            "fit": f, "measurements": m}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
