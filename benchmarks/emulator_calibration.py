@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     out = args.out or str(RESULTS / f"emulator-calibration-{args.model}.json")
     load_before = os.getloadavg()[0]
-    home = Path(tempfile.mkdtemp(prefix="yg-calib-"))
-    os.environ["YIELDGATE_HOME"] = str(home)  # the engine's KV-event socket and logs go here
     if args.model == "smollm2":
         from yieldgate.serving.smollm2 import ensure_smollm2
 
@@ -128,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         from yieldgate.serving.demo_model import ensure_demo_model
 
         model_dir = ensure_demo_model()
+    home = Path(tempfile.mkdtemp(prefix="yg-calib-"))
+    os.environ["YIELDGATE_HOME"] = str(home)  # the engine's KV-event socket and logs go here
     with demo_engine(args.port, lora=False, log_path=home / "engine.log", model_dir=model_dir) as url:
         m = asyncio.run(measure(url, seed=0))
     f = fit(m)
