@@ -10,7 +10,7 @@ generated tiny Llama or on SmolLM2-135M, and measures, with prompts given as tok
 - decode: b streams at once (b = 1, 4, 16), 64 tokens each, ignore_eos -> inter-token time
   = step + per-sequence × b.
 
-Fits `cache.simulator.EngineModel` (least squares) and writes
+Fits `cache.simulator.EngineModel` (Theil-Sen lines) and writes
 benchmarks/results/emulator-calibration-MODEL.json: every measurement, the fit, and the commit.
 The emulator's engine models (serving/emulator.py, `CALIBRATED`) are these fits; a test checks they agree.
 """
@@ -44,10 +44,13 @@ REPEATS = 3
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x -> (a, b)."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    """y = a + b x -> (a, b) by Theil-Sen: b the median of the slopes between pairs of points, a the
+    median of y - b x. On a shared machine one request now and then takes several times as long;
+    least squares follows such a point, the medians do not."""
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(zip(xs, ys))
+              for x2, y2 in zip(xs[i + 1:], ys[i + 1:]) if x2 != x1]
+    b = statistics.median(slopes)
+    return statistics.median(y - b * x for x, y in zip(xs, ys)), b
 
 
 async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
@@ -115,8 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=26900)
     ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     ap.add_argument("--out", default="")
+    ap.add_argument("--refit", action="store_true",
+                    help="fit the measurements already in the result file again (same meta), measure nothing")
     args = ap.parse_args(argv)
     out = args.out or str(RESULTS / f"emulator-calibration-{args.model}.json")
+    if args.refit:
+        doc = json.loads(Path(out).read_text())
+        doc["fit"] = fit(doc["measurements"])
+        doc["meta"].setdefault("notes", {})["refit"] = "fit recomputed from these measurements by --refit"
+        Path(out).write_text(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc["fit"], indent=1))
+        return
     load_before = os.getloadavg()[0]
     if args.model == "smollm2":
         from yieldgate.serving.smollm2 import ensure_smollm2

@@ -153,16 +153,17 @@ def routing_zipf() -> str:
 
 def emulated_fleet() -> str:
     d = load("emulated_fleet")
-    summary, goals = d["summary"], d["goals"]
-    mine = "yieldgate:cache_aware"
-    peers = [p for p in summary if p != mine]
+    summary, goals, mine = d["summary"], d["goals"], d["goals_of"]
+    others = [p for p in summary if p.startswith("yieldgate:") and p != mine]
+    peers = [p for p in summary if not p.startswith("yieldgate:")]
     med = lambda router, key: [e[key]["median"] for e in summary[router].values()]  # noqa: E731
     met = {k: all(g[k] for g in goals.values()) for k in next(iter(goals.values()))}
     ratio = bold(span(med(mine, "ratio_to_oracle"), pct), met["ratio_ge_95"] and met["ratio_ge_best_peer"])
     theirs = "".join(f", {p.split(':')[0]} {span(med(p, 'ratio_to_oracle'), pct)}" for p in peers)
     ttft = lambda router: span(med(router, "ttft_p90_ms"), lambda v: f"{v:.0f}")  # noqa: E731
     load_ = lambda router: span(med(router, "load_max_over_mean"), lambda v: f"{v:.2f}")  # noqa: E731
-    return (f"yieldgate cache_aware {ratio} of oracle{theirs}; TTFT p90 "
+    ours = "".join(f" ({p.split(':')[1]}: {span(med(p, 'ratio_to_oracle'), pct)})" for p in others)
+    return (f"yieldgate {mine.split(':')[1]} {ratio} of oracle{ours}{theirs}; TTFT p90 "
             f"{bold(ttft(mine) + ' ms', met['ttft_p90_not_worse'])} vs "
             + ", ".join(f"{ttft(p)} ms" for p in peers)
             + f"; max/mean load {bold(load_(mine), met['load_not_worse'])} vs " + ", ".join(load_(p) for p in peers)

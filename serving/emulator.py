@@ -36,8 +36,10 @@ log = logging.getLogger("yieldgate.emulator")
 # benchmarks/emulator_calibration.py measured and fitted it on one real engine; the measurements are in
 # benchmarks/results/emulator-calibration-MODEL.json (a test checks these figures are that fit).
 CALIBRATED: dict[str, EngineModel] = {
-    "tiny": EngineModel(prefill_s_per_token=6.68e-6, context_s_per_token=0.0, step_s=1.92e-3,
-                        decode_s_per_seq=1.92e-4, max_running=64, max_batched_tokens=2048, kv_capacity_blocks=512),
+    "tiny": EngineModel(prefill_s_per_token=7.27e-6, context_s_per_token=1.10e-6, step_s=1.69e-3,
+                        decode_s_per_seq=2.38e-4, max_running=64, max_batched_tokens=2048, kv_capacity_blocks=512),
+    "smollm2": EngineModel(prefill_s_per_token=9.21e-4, context_s_per_token=1.66e-4, step_s=8.39e-2,
+                           decode_s_per_seq=2.66e-3, max_running=64, max_batched_tokens=2048, kv_capacity_blocks=512),
 }
 
 
