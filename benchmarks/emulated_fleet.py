@@ -187,11 +187,10 @@ def combine(rows: list[dict]) -> dict[str, Any]:
 async def run_all(routers: dict[str, Any], emulator: Emulator, loads: list[int], runs: int, requests: dict[str, int],
                   model: str, tenants: int, output_tokens: int) -> list[dict]:
     out: list[dict] = []
-    k = 0
     for run in range(runs):
-        for conc in loads:
-            for label in turn_order(list(routers), k):
-                k += 1
+        for i, conc in enumerate(loads):
+            # The order flips from one load to the next and from one run to the next at the same load.
+            for label in turn_order(list(routers), run + i):
                 for name, workload in workloads(run, model, tenants, output_tokens).items():
                     row = await phase(routers[label].url, label, workload, conc, requests[name], run, emulator.urls)
                     out.append({"round": run, "target": label, "concurrency": conc, "workload": name, **row})
