@@ -1,10 +1,15 @@
-"""What the routing benchmarks share (routing.py, agent_routing.py, adapter_routing.py): the demo
-model's words per token and engine model, a two-replica gateway config per policy, the bench's
-prefix-index keys in Redis, prefix-cache resets, the p90 difference with its bootstrap interval, and
+"""What the routing benchmarks share (routing.py, agent_routing.py, adapter_routing.py,
+emulated_fleet.py): the demo model's words per token and engine model, a gateway config with every
+engine as a replica per policy, a Redis of a gateway's own, the bench's prefix-index keys in Redis,
+prefix-cache resets, the p90 difference with its bootstrap interval, and
 result meta. Scripts import these from here, never from each other."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -40,6 +45,25 @@ def clear_bench_index(redis_url: str = REDIS_URL) -> None:
             r.hdel("yg:prefix:demo:capacity", *fields)
     finally:
         r.close()
+
+
+@contextmanager
+def own_redis(workdir: Path) -> Iterator[str]:
+    """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
+    prefix-index channel, and each applies the others' writes, work a lone gateway does not do
+    (and that the CPU per request would count)."""
+    import proxy_rig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from multihost import RedisServer  # tests/multihost.py, as benchmarks/multihost.py uses it
+
+    port = proxy_rig.free_port()
+    server = RedisServer(workdir / f"redis-{port}", "127.0.0.1", port)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def parse_policy(label: str) -> tuple[str, dict[str, float]]:

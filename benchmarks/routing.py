@@ -87,7 +87,7 @@ from yieldgate.loadtest.stats import percentile  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ["round_robin", "least_loaded", "session", "cache_aware"]
 from fleet_rig import (DEMO_ENGINE, MEASURES, REDIS_URL, REPLICA_PREFIX, WORDS_PER_TOKEN,  # noqa: E402,F401
-                       _reset_prefix_cache, bootstrap_p90_diff, clear_bench_index, parse_policy, result_meta,
+                       _reset_prefix_cache, own_redis, bootstrap_p90_diff, clear_bench_index, parse_policy, result_meta,
                        two_replica_config)
 
 # -- real fleet -----------------------------------------------------------------------------------
@@ -138,25 +138,6 @@ def engine_requests(url: str) -> float:
         text = resp.read().decode()
     return sum(s.value for family in text_string_to_metric_families(text) if family.name == "vllm:request_success"
                for s in family.samples if s.name == "vllm:request_success_total")
-
-
-@contextmanager
-def own_redis(workdir: Path) -> Iterator[str]:
-    """A Redis server of its own on loopback, for one gateway: gateways that share a Redis share its
-    prefix-index channel, and each applies the others' writes, work a lone gateway does not do
-    (and that the CPU per request would count)."""
-    import proxy_rig
-
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multihost import RedisServer  # tests/multihost.py, as benchmarks/multihost.py uses it
-
-    port = proxy_rig.free_port()
-    server = RedisServer(workdir / f"redis-{port}", "127.0.0.1", port)
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def engine_kv_blocks(url: str) -> int | None:

@@ -151,6 +151,26 @@ def routing_zipf() -> str:
             f"{bold(ca_load, max(loads) <= 1.25)}; consistent hashing: max/mean load {ch_load}, TTFT p90 {ch_ttft} s")
 
 
+def emulated_fleet() -> str:
+    d = load("emulated_fleet")
+    summary, goals, mine = d["summary"], d["goals"], d["goals_of"]
+    others = [p for p in summary if p.startswith("yieldgate:") and p != mine]
+    peers = [p for p in summary if not p.startswith("yieldgate:")]
+    med = lambda router, key: [e[key]["median"] for e in summary[router].values()]  # noqa: E731
+    met = {k: all(g[k] for g in goals.values()) for k in next(iter(goals.values()))}
+    ratio = bold(span(med(mine, "ratio_to_oracle"), pct), met["ratio_ge_95"] and met["ratio_ge_best_peer"])
+    theirs = "".join(f", {p.split(':')[0]} {span(med(p, 'ratio_to_oracle'), pct)}" for p in peers)
+    ttft = lambda router: span(med(router, "ttft_p90_ms"), lambda v: f"{v:.0f}")  # noqa: E731
+    load_ = lambda router: span(med(router, "load_max_over_mean"), lambda v: f"{v:.2f}")  # noqa: E731
+    ours = "".join(f" ({p.split(':')[1]}: {span(med(p, 'ratio_to_oracle'), pct)})" for p in others)
+    return (f"yieldgate {mine.split(':')[1]} {ratio} of oracle{ours}{theirs}; TTFT p90 "
+            f"{bold(ttft(mine) + ' ms', met['ttft_p90_not_worse'])} vs "
+            + ", ".join(f"{ttft(p)} ms" for p in peers)
+            + f"; max/mean load {bold(load_(mine), met['load_not_worse'])} vs " + ", ".join(load_(p) for p in peers)
+            + f" ({d['engines']} emulated engines, loads {', '.join(summary[mine])}, medians of "
+            f"{next(iter(summary[mine].values()))['ratio_to_oracle']['n']} interleaved runs)")
+
+
 def loadtest_vs_vllm() -> str:
     m = load("loadtest_vs_vllm_bench")["median_of_repeats"]
     return (f"req/s {m['request_throughput']['ratio']:.2f}×, mean TTFT {m['mean_ttft_ms']['ratio']:.2f}×, "
@@ -534,6 +554,12 @@ BENCHMARKS = [
                      "--policies", "round_robin,consistent_hash,cache_aware",
                      "--out", str(SCRATCH / "routing-zipf64")],
               files=["routing-zipf64"]),
+    Benchmark("emulated_fleet", "routing, 32 emulated engines: yieldgate vs smg vs vllm-router",
+              "≥ 95% and ≥ the Rust routers' at every load; TTFT p90 and max/mean load no worse",
+              "`python benchmarks/emulated_fleet.py` ([emulation](docs/emulated-fleet.md))", emulated_fleet,
+              run=["benchmarks/emulated_fleet.py"],
+              quick=["benchmarks/emulated_fleet.py", "--quick", "--out", str(SCRATCH / "emulated_fleet")],
+              files=["emulated_fleet"]),
     Benchmark("adapter_routing_sim", "LoRA adapter routing, simulated 64 replicas × 300 adapters × 4 slots",
               "fewest loads", "`python benchmarks/adapter_routing.py --sim`", adapter_routing_sim,
               run=["benchmarks/adapter_routing.py", "--sim"],

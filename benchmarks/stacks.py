@@ -147,10 +147,12 @@ def decode_rate(url: str, model: str, concurrency: int, requests: int = 8) -> fl
 
 
 @contextmanager
-def demo_engine(port: int, lora: bool, log_path: Path, poll_pause_us: float | None = None) -> Iterator[str]:
+def demo_engine(port: int, lora: bool, log_path: Path, poll_pause_us: float | None = None,
+                model_dir: Path | None = None) -> Iterator[str]:
     """The demo fleet's standard-0 engine as `yieldgate up` launches it (LoRA on or off; its ring-buffer
     poll pause, serving/engine_polling.py, as configured unless given) on `port`, healthy; its URL.
-    Stopped (its whole process group) on the way out."""
+    `model_dir`: the model it serves (default: the generated tiny model). Stopped (its whole process
+    group) on the way out."""
     import msgspec
 
     from yieldgate.serving.config import FleetConfig, LoraConfig
@@ -164,7 +166,8 @@ def demo_engine(port: int, lora: bool, log_path: Path, poll_pause_us: float | No
             replica, launch=msgspec.structs.replace(replica.launch, poll_pause_us=poll_pause_us))
     spec = LoraConfig(enabled=lora)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(engine_command(str(ensure_demo_model()), "demo", fleet.block_size, replica, spec),
+        proc = subprocess.Popen(engine_command(str(model_dir or ensure_demo_model()), "demo", fleet.block_size,
+                                               replica, spec),
                                 env=engine_env(replica, spec), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:

@@ -7,7 +7,7 @@ Per request (see cache.routing): tokenize only if ``router.needs_tokens``,
 from .blocks import BlockHash, BlockHashConfig, BlockHasher, lora_extra_keys, pack_tokens
 from .chat_template import ChatTemplate, ChatTemplateError
 from .kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventSubscriber,
+    AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, KVEventPublisher, KVEventSubscriber,
     KVEventSubscriberConfig, decode_batch,
 )
 from .policies import (
@@ -22,7 +22,7 @@ from .tokenizer import NotConvertible, Tokenizer, build_tiktoken_encoding
 
 __all__ = [
     "AdapterCandidacy", "AllBlocksCleared", "BlockHash", "BlockHashConfig", "BlockHasher", "BlockRemoved", "BlockStored",
-    "Candidate", "ChatTemplate", "ChatTemplateError", "IndexStats", "KVEventBatch", "KVEventSubscriber",
+    "Candidate", "ChatTemplate", "ChatTemplateError", "IndexStats", "KVEventBatch", "KVEventPublisher", "KVEventSubscriber",
     "KVEventSubscriberConfig", "NoCandidates", "NotConvertible", "POLICIES", "Policy", "PrefixIndex",
     "PrefixIndexConfig", "RouteDecision", "RouteRequest", "Router", "RouterConfig", "SharedPrefixIndex",
     "Tokenizer", "UnknownPolicy", "adapter_candidacy", "build_policy", "build_tiktoken_encoding", "decode_batch", "load_of",

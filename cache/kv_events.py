@@ -1,4 +1,5 @@
-"""Subscriber for vLLM's KV-cache events (``--kv-events-config`` zmq publisher).
+"""vLLM's KV-cache events (``--kv-events-config`` zmq publisher): the gateway's subscriber, and a
+publisher of the same wire format for emulated engines (serving/emulator.py).
 
 Wire format (vllm/distributed/kv_events.py): ZMQ PUB multipart
 ``[topic, seq (8-byte big-endian), payload]``; payload is msgpack of
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -34,7 +36,9 @@ class BlockStored(msgspec.Struct, tag=True):
     parent_block_hash: int | bytes | None = None
     token_ids: list[int] = []
     block_size: int = 0
+    lora_id: int | None = None
     medium: str | None = None
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True):
@@ -60,6 +64,57 @@ _batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     return _batch_decoder.decode(payload)
+
+
+class _PublishedBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """vLLM's EventBatch as its publisher encodes it: no data-parallel rank when there is none."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+_batch_encoder = msgspec.msgpack.Encoder()
+
+
+class KVEventPublisher:
+    """Publishes KV events as vLLM's ZmqEventPublisher does: a PUB socket bound at `endpoint`,
+    multipart ``[topic, seq, payload]``; the events of one event-loop turn go out as one batch
+    (vLLM sends one batch per engine step). For emulated engines; the gateway only subscribes.
+
+    >>> pub = KVEventPublisher("tcp://127.0.14.1:5557")
+    >>> pub.add(BlockStored(block_hashes=[h1, h2], parent_block_hash=None, token_ids=ids, block_size=32))
+    """
+
+    def __init__(self, endpoint: str, topic: str = "kv-events", context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self._sock = (context or zmq.Context.instance()).socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.bind(endpoint)
+        self.seq = -1
+        self._pending: list[KVEvent] = []
+
+    def add(self, event: KVEvent) -> None:
+        """Queue `event`; the batch is sent when the running event loop next gets a turn."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._pending.append(event)
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        events, self._pending = self._pending, []
+        self.seq += 1
+        payload = _batch_encoder.encode(_PublishedBatch(ts=time.time(), events=events))
+        try:  # PUB never blocks: a subscriber that lags loses batches (and sees the gap)
+            self._sock.send_multipart((self.topic, self.seq.to_bytes(8, "big", signed=True), payload), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
 
 
 class BlockSink(Protocol):

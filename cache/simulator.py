@@ -16,7 +16,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import msgspec
 
@@ -156,7 +156,7 @@ class SimRequest:
 class KVCache:
     """Block pool of one engine: pinned blocks (refcounted) + LRU of evictable cached blocks."""
 
-    def __init__(self, capacity_blocks: int, on_store: Callable[[list[BlockHash]], None],
+    def __init__(self, capacity_blocks: int, on_store: Callable[[SimRequest, list[BlockHash]], None],
                  on_remove: Callable[[list[BlockHash]], None]) -> None:
         self.capacity = capacity_blocks
         self.pinned: dict[BlockHash, int] = {}
@@ -205,7 +205,7 @@ class KVCache:
         req.anon_blocks = anon
         req.cached_blocks = hit
         if fresh:
-            self.on_store(fresh)
+            self.on_store(req, fresh)
         return True
 
     def clear(self) -> None:
@@ -229,11 +229,25 @@ class KVCache:
         req.anon_blocks = 0
 
 
+class EngineHost(Protocol):
+    """What a SimReplica runs on: a clock with timers, the block size, and where the blocks it
+    stores and evicts are reported. FleetSimulator is one (simulated time, the router's index);
+    serving.emulator's engines run on the event loop's clock and publish KV events."""
+
+    config: Any  # .block_size, .scrape_interval_s
+
+    @property
+    def now(self) -> float: ...
+    def schedule(self, at: float, fn: Callable[..., None], *args: Any) -> None: ...
+    def blocks_stored(self, replica: "SimReplica", req: "SimRequest", hashes: list[BlockHash]) -> None: ...
+    def blocks_removed(self, replica: "SimReplica", hashes: list[BlockHash]) -> None: ...
+
+
 class SimReplica:
     """One modelled engine. Satisfies cache.Candidate (name, inflight, num_waiting, num_running,
     kv_capacity_blocks, speculative) so the real Router scores it like a serving.Replica."""
 
-    def __init__(self, sim: "FleetSimulator", name: str, model: EngineModel) -> None:
+    def __init__(self, sim: EngineHost, name: str, model: EngineModel) -> None:
         self.sim = sim
         self.name = name
         self.model = model
@@ -276,14 +290,12 @@ class SimReplica:
     def num_running(self) -> float:
         return self._scrape()[1]
 
-    # -- KV events -> prefix index ---------------------------------------------------------------
-    def _stored(self, hashes: list[BlockHash]) -> None:
-        if self.model.kv_events:
-            self.sim.kv_event(lambda: self.sim.index.store(self.name, hashes))
+    # -- KV events -------------------------------------------------------------------------------
+    def _stored(self, req: SimRequest, hashes: list[BlockHash]) -> None:
+        self.sim.blocks_stored(self, req, hashes)
 
     def _removed(self, hashes: list[BlockHash]) -> None:
-        if self.model.kv_events:
-            self.sim.kv_event(lambda: self.sim.index.remove(self.name, hashes))
+        self.sim.blocks_removed(self, hashes)
 
     # -- LoRA adapter slots ----------------------------------------------------------------------
     def affinity(self, adapter: str) -> float:
@@ -464,6 +476,15 @@ class FleetSimulator:
             self.schedule(self.now + self.config.kv_event_delay_s, apply)
         else:
             apply()
+
+    # -- EngineHost: a replica's KV events feed the router's index -----------------------------------
+    def blocks_stored(self, replica: SimReplica, req: SimRequest, hashes: list[BlockHash]) -> None:
+        if replica.model.kv_events:
+            self.kv_event(lambda: self.index.store(replica.name, hashes))
+
+    def blocks_removed(self, replica: SimReplica, hashes: list[BlockHash]) -> None:
+        if replica.model.kv_events:
+            self.kv_event(lambda: self.index.remove(replica.name, hashes))
 
     def run(self) -> PolicyResult:
         sizes = self.config.phases or [self.config.requests]

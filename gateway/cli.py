@@ -120,6 +120,47 @@ def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
 
 
 @app.command()
+def emulate(
+    engines: int = typer.Option(32, help="Emulated engines, each on its own loopback address."),
+    first_address: str = typer.Option("127.0.14.1", help="Engine i listens on this address + i (loopback only)."),
+    port: int = typer.Option(26000, help="Every engine's HTTP port."),
+    kv_events_port: int = typer.Option(26001, help="Every engine's ZMQ KV-event publisher port (0: none)."),
+    kv_blocks: int = typer.Option(512, help="Prefix cache size of each engine, in blocks."),
+    block_size: int = typer.Option(32, help="Tokens per KV block."),
+    model: str = typer.Option("tiny", help="The demo engine emulated: tiny or smollm2 (its tokenizer, its "
+                                           "measured latencies)."),
+    served_name: str = typer.Option("demo", help="The model name the engines serve."),
+    model_path: str = typer.Option("", help="Tokenizer and chat template directory; default: the --model's."),
+) -> None:
+    """Emulated vLLM engines in one process: OpenAI API, vLLM metrics, prefix cache, KV events
+    (an emulation for routing at scale, not an engine: docs/emulated-fleet.md)."""
+    import asyncio
+
+    from yieldgate.serving.emulator import CALIBRATED, EmulatorConfig, serve
+
+    if model not in CALIBRATED:
+        console.print(f"[red]--model must be one of {', '.join(CALIBRATED)}[/red]")
+        raise typer.Exit(2)
+    from yieldgate.serving.models import ensure_model
+
+    engine = msgspec.structs.replace(CALIBRATED[model], kv_capacity_blocks=kv_blocks)
+    try:
+        cfg = EmulatorConfig(engines=engines, first_address=first_address, port=port, kv_events_port=kv_events_port,
+                             model=served_name, model_path=model_path or str(ensure_model(model)),
+                             block_size=block_size, engine=engine)
+        cfg.address(engines - 1)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2)
+
+    def ready(fleet) -> None:
+        first, last = fleet.urls()[0], fleet.urls()[-1]
+        print(f"emulated fleet ready: {engines} engines, {first} … {last}, {kv_blocks} blocks each", flush=True)
+
+    asyncio.run(serve(cfg, ready))
+
+
+@app.command()
 def picker(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file.")) -> None:
     """Run the endpoint picker for an Envoy ext_proc filter ([picker] host/port; docs/picker.md)."""
     import asyncio

@@ -82,7 +82,7 @@ def test_cold_phases_start_with_empty_caches_and_oracle(prompts):
 def test_lru_eviction_drops_oldest_unpinned_blocks_and_reports_them():
     stored: list[int] = []
     removed: list[int] = []
-    cache = KVCache(7, stored.extend, removed.extend)
+    cache = KVCache(7, lambda req, hashes: stored.extend(hashes), removed.extend)
     a = SimRequest(0, "a", 0, list(range(64)), [1, 2], n_out=1, arrival=0.0)   # 2 hashed + 1 tail block
     cache.allocate(a, 32)
     assert stored == [1, 2] and cache.used() == 3
