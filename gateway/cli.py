@@ -136,13 +136,11 @@ def emulate(
     (an emulation for routing at scale, not an engine: docs/emulated-fleet.md)."""
     import asyncio
 
-    from yieldgate.serving.emulator import CALIBRATED, EmulatorConfig, serve
+    from yieldgate.serving import CALIBRATED, EmulatorConfig, ensure_model, serve_emulated_fleet
 
     if model not in CALIBRATED:
         console.print(f"[red]--model must be one of {', '.join(CALIBRATED)}[/red]")
         raise typer.Exit(2)
-    from yieldgate.serving.models import ensure_model
-
     engine = msgspec.structs.replace(CALIBRATED[model], kv_capacity_blocks=kv_blocks)
     try:
         cfg = EmulatorConfig(engines=engines, first_address=first_address, port=port, kv_events_port=kv_events_port,
@@ -157,7 +155,7 @@ def emulate(
         first, last = fleet.urls()[0], fleet.urls()[-1]
         print(f"emulated fleet ready: {engines} engines, {first} … {last}, {kv_blocks} blocks each", flush=True)
 
-    asyncio.run(serve(cfg, ready))
+    asyncio.run(serve_emulated_fleet(cfg, ready))
 
 
 @app.command()

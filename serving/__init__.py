@@ -16,6 +16,7 @@ __getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs={
     "config": ["FleetConfig", "TierConfig", "home_dir"],
     "demo_model": ["DemoModelSpec", "ensure_demo_model", "files_digest", "make_demo_model"],
     "discovery": ["Discovery", "DiscoveryError"],
+    "emulator": ["CALIBRATED", "EmulatedFleet", "EmulatorConfig", "serve_emulated_fleet"],
     "engine_control": ["EngineCallFailed", "EngineControl", "EngineRefused", "backend_in", "dtype_in",
                        "is_refusal", "tls_context"],
     "fleet": ["BASE_VERSION", "ENGINE_BASE_VERSION", "Fleet", "Replica"],

@@ -454,7 +454,7 @@ class _Connection(asyncio.Protocol):
         self.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
 
 
-async def serve(config: EmulatorConfig, ready: Callable[[EmulatedFleet], None] | None = None,
+async def serve_emulated_fleet(config: EmulatorConfig, ready: Callable[[EmulatedFleet], None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run the fleet until `stop` is set (or SIGINT/SIGTERM when none is given)."""
     import signal
