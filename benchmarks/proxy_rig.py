@@ -242,7 +242,7 @@ class Yieldgate(Target):
         self.proc = subprocess.Popen(["taskset", "-c", cores, str(python), "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
-        self._wait_up(self.url + "/healthz", 60)
+        self._wait_up(self.url + "/healthz", 180)  # a loaded host starts it slowly
         self.api_key: str | None = None
         if v["require_keys"]:
             self.api_key = self._create_key()
