@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from engines import start_engine, stop_engine, wait_healthy
+from engines import running_engine
 from polling import exit_code, until
 from yieldgate.gateway.config import Config, ServerConfig
 from yieldgate.gateway.embedded import GatewayProcess, http_status
@@ -35,13 +35,8 @@ def engine(tmp_path_factory):
     from yieldgate.serving.demo_model import ensure_demo_model
 
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc = start_engine(ensure_demo_model(), ENGINE_PORT, log, plugin=False, host=ENGINE_HOST)
-    url = f"http://{ENGINE_HOST}:{ENGINE_PORT}"
-    try:
-        wait_healthy(url, proc, log)
+    with running_engine(ensure_demo_model(), ENGINE_PORT, log, plugin=False, host=ENGINE_HOST) as url:
         yield url
-    finally:
-        stop_engine(proc)
 
 
 def workers_config(engine: str, redis_url: str, data: str) -> Config:
@@ -55,11 +50,19 @@ def workers_config(engine: str, redis_url: str, data: str) -> Config:
 
 
 def start_workers(engine, redis_url, tmp_path, port: int) -> tuple[GatewayProcess, list[psutil.Process]]:
+    """The gateway parent and every process under it (the two workers and multiprocessing's
+    resource tracker), to check that none outlives the stop."""
     gw = GatewayProcess(workers_config(engine, redis_url, str(tmp_path / "data")), tmp_path / "gw", port=port,
                         start_timeout_s=240)
     parent = psutil.Process(gw.process.pid)
-    workers = until(lambda: (lambda c: c if len(c) == 2 else None)(parent.children()), "two workers", 300)
-    return gw, workers
+    workers = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 2, parent.children(recursive=True)
+
+    def listening(w: psutil.Process) -> bool:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in w.net_connections("tcp"))
+
+    until(lambda: all(map(listening, workers)), "both workers listening on the port", 2400)
+    return gw, parent.children(recursive=True)
 
 
 def served_by(url: str, n: int) -> list[str]:

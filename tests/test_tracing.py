@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engines import start_engine, stop_engine, wait_healthy
+from engines import running_engine
 from polling import until
 from yieldgate.gateway.config import Config, ServerConfig, TracingConfig
 from yieldgate.gateway.embedded import GatewayProcess
@@ -46,15 +46,10 @@ def traced_engine(receiver, tmp_path_factory):
     from yieldgate.serving.demo_model import ensure_demo_model
 
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    proc = start_engine(ensure_demo_model(), ENGINE_PORT, log, "--otlp-traces-endpoint", receiver.endpoint,
+    with running_engine(ensure_demo_model(), ENGINE_PORT, log, "--otlp-traces-endpoint", receiver.endpoint,
                         plugin=False, host=ENGINE_HOST, env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
-                                                             "OTEL_SERVICE_NAME": "vllm-engine"})
-    url = f"http://{ENGINE_HOST}:{ENGINE_PORT}"
-    try:
-        wait_healthy(url, proc, log)
+                                                             "OTEL_SERVICE_NAME": "vllm-engine"}) as url:
         yield url
-    finally:
-        stop_engine(proc)
 
 
 @pytest.fixture(scope="module")
