@@ -82,14 +82,14 @@ def _serve(config: Config, supervisor=None, sockets=None) -> None:
 def _serve_workers(config: Config) -> None:
     """`server.workers` gateway processes on one port (gateway/workers.py); engines stay here."""
     from .app import InsecureConfig, check_exposure
-    from .workers import Workers
+    from .workers import PortInUse, Workers
 
     try:
         check_exposure(config)
-    except InsecureConfig as exc:
+        code = Workers(config, _serve_worker).run()
+    except (InsecureConfig, PortInUse) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    code = Workers(config, _serve_worker).run()
     if code:
         raise typer.Exit(code)
 

@@ -51,6 +51,22 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class PortInUse(OSError):
+    """Something already listens on the gateway's port."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """PortInUse if anything listens on host:port. SO_REUSEPORT would otherwise let the workers
+    bind beside a stale gateway of the same user, and the kernel would share the traffic with it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are fine
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(f"{host}:{port} is in use: {exc.strerror}") from None
+
+
 def worker_config(config: Config, index: int) -> Config:
     """Worker `index`'s config: its own instance id (ledger rows, headers, metrics) and its own
     ledger journal (a journal belongs to one process)."""
@@ -116,6 +132,7 @@ class Workers:
         handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         code = 0
         try:
+            check_port_free(self.config.server.host, self.config.server.port)
             for index in range(self.count):
                 self.spawn(index)
             while self.processes:

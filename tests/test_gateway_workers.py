@@ -54,15 +54,19 @@ def start_workers(engine, redis_url, tmp_path, port: int) -> tuple[GatewayProces
     resource tracker), to check that none outlives the stop."""
     gw = GatewayProcess(workers_config(engine, redis_url, str(tmp_path / "data")), tmp_path / "gw", port=port,
                         start_timeout_s=240)
-    parent = psutil.Process(gw.process.pid)
-    workers = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
-    assert len(workers) == 2, parent.children(recursive=True)
+    try:
+        parent = psutil.Process(gw.process.pid)
+        workers = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 2, parent.children(recursive=True)
 
-    def listening(w: psutil.Process) -> bool:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in w.net_connections("tcp"))
+        def listening(w: psutil.Process) -> bool:
+            return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in w.net_connections("tcp"))
 
-    until(lambda: all(map(listening, workers)), "both workers listening on the port", 2400)
-    return gw, parent.children(recursive=True)
+        until(lambda: all(map(listening, workers)), "both workers listening on the port", 2400)
+        return gw, parent.children(recursive=True)
+    except BaseException:
+        gw.stop()
+        raise
 
 
 def served_by(url: str, n: int) -> list[str]:
@@ -146,3 +150,24 @@ def test_one_sigterm_drains_both_workers_with_no_failed_request_and_no_orphan(en
     assert len({who for who, _, _ in results.values()}) == 2, "the streams did not reach both workers"
     time.sleep(0.5)
     assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_workers_refuse_a_port_something_already_listens_on(tmp_path):
+    """SO_REUSEPORT would let the workers bind beside a stale gateway and share its traffic: the
+    parent checks the port first and exits 2 with the reason."""
+    import subprocess
+    import sys
+
+    from yieldgate.gateway.workers import reuseport_socket
+
+    port = BASE + 424
+    stale = reuseport_socket(GATEWAY_HOST, port)  # as a stale worker's listener would be
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'[server]\nhost = "{GATEWAY_HOST}"\nport = {port}\nworkers = 2\ndata_dir = "{tmp_path}"\n')
+    try:
+        out = subprocess.run([sys.executable, "-m", "yieldgate.gateway.cli", "gateway", "--config", str(config)],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        stale.close()
+    assert out.returncode == 2, out.stderr
+    assert f"{GATEWAY_HOST}:{port} is in use" in out.stderr
