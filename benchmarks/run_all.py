@@ -304,12 +304,14 @@ def picker_overhead() -> str:
 def tracing_overhead() -> str:
     d = load("tracing_overhead")
     sm = d["summary"]
-    p99 = sm["p99_ms"]
+    p99, cpu = sm["p99_ms"], sm["cpu_us_per_request"]
     rounds = p99["tracing_on"]["n"]
     added = f"{sm['added_p99_ms']:+.2f} ms"
     return (f"added p99 {bold(added, sm['added_p99_ms'] <= sm['goal_added_p99_ms'])} "
             f"(p99 {p99['tracing_on']['median']:.2f} vs {p99['tracing_off']['median']:.2f} ms, medians of {rounds} "
-            f"interleaved rounds); a span {sm['micro']['span_us_per_request']:.0f} µs in-process, none made when off")
+            f"interleaved rounds); gateway CPU per request {cpu['tracing_on']['median']:,.0f} vs "
+            f"{cpu['tracing_off']['median']:,.0f} µs; a span {sm['micro']['span_us_per_request']:.0f} µs in-process, "
+            "none made when off")
 
 
 def gateway_workers() -> str:
