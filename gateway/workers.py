@@ -40,14 +40,14 @@ _STARTUP_S = 30.0
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT)."""
+    """A socket bound to host:port that other processes may bind too (SO_REUSEPORT). Not listening
+    yet: the kernel hands connections only to listening sockets, and uvicorn listens once the app
+    has started, so a worker still starting gets no connection to keep waiting."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 

@@ -162,6 +162,7 @@ def test_workers_refuse_a_port_something_already_listens_on(tmp_path):
 
     port = BASE + 424
     stale = reuseport_socket(GATEWAY_HOST, port)  # as a stale worker's listener would be
+    stale.listen()
     config = tmp_path / "gateway.toml"
     config.write_text(f'[server]\nhost = "{GATEWAY_HOST}"\nport = {port}\nworkers = 2\ndata_dir = "{tmp_path}"\n')
     try:
