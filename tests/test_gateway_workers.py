@@ -25,6 +25,8 @@ from yieldgate.gateway.embedded import GatewayProcess, http_status
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 BASE = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
+# A vLLM engine of its own and gateway processes: start-up alone can take minutes on a busy host.
+pytestmark = pytest.mark.timeout(1500)
 ENGINE_HOST, ENGINE_PORT = "127.0.13.5", BASE + 421
 GATEWAY_HOST = "127.0.13.6"
 STREAM_TOKENS = 300

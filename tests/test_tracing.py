@@ -23,6 +23,8 @@ from yieldgate.gateway.embedded import GatewayProcess
 from yieldgate.serving.config import FleetConfig, ReplicaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+# A vLLM engine of its own and gateway processes: start-up alone can take minutes on a busy host.
+pytestmark = pytest.mark.timeout(1500)
 _spec = importlib.util.spec_from_file_location("otlp_receiver", ROOT / "benchmarks" / "otlp_receiver.py")
 otlp_receiver = importlib.util.module_from_spec(_spec)
 sys.modules["otlp_receiver"] = otlp_receiver
