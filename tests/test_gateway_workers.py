@@ -11,7 +11,6 @@ import re
 import secrets
 import signal
 import threading
-import time
 
 import httpx
 import openai
@@ -71,6 +70,13 @@ def start_workers(engine, redis_url, tmp_path, port: int) -> tuple[GatewayProces
         raise
 
 
+def assert_all_gone(processes: list[psutil.Process]) -> None:
+    """Every process that was under the gateway has exited (multiprocessing's resource tracker ends
+    a moment after the parent, when its pipe closes)."""
+    _, alive = psutil.wait_procs(processes, timeout=20)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
 def served_by(url: str, n: int) -> list[str]:
     """`n` chat completions, each on a connection of its own (a fresh client), and the gateway
     instance (worker) that answered each."""
@@ -105,7 +111,7 @@ def test_two_workers_serve_the_client_and_metrics_count_both_exactly(engine, red
     finally:
         gw.stop()
     assert gw.process.returncode == 0
-    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert_all_gone(workers)
 
 
 def test_one_sigterm_drains_both_workers_with_no_failed_request_and_no_orphan(engine, redis_url, tmp_path):
@@ -150,8 +156,7 @@ def test_one_sigterm_drains_both_workers_with_no_failed_request_and_no_orphan(en
     assert len(results) == 12
     assert all(tokens == STREAM_TOKENS and finish == "length" for _, tokens, finish in results.values()), results
     assert len({who for who, _, _ in results.values()}) == 2, "the streams did not reach both workers"
-    time.sleep(0.5)
-    assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert_all_gone(workers)
 
 
 def test_workers_refuse_a_port_something_already_listens_on(tmp_path):
