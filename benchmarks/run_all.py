@@ -317,10 +317,11 @@ def tracing_overhead() -> str:
 def gateway_workers() -> str:
     d = load("gateway_workers")
     sm = d["summary"]
-    rps = sm["max_sustained_rps"]
+    rps, p99 = sm["max_sustained_rps"], sm["p99_ms_at_max"]
     ratio = f"{sm['ratio']:.2f}×"
     return (f"{bold(ratio, sm['met'])} ({rps['2_workers']['median']:,.0f} vs "
-            f"{rps['1_worker']['median']:,.0f} RPS, medians of {rps['1_worker']['n']} interleaved rounds)")
+            f"{rps['1_worker']['median']:,.0f} RPS, medians of {rps['1_worker']['n']} interleaved rounds; p99 at that "
+            f"rate {p99['2_workers']['median']:,.0f} vs {p99['1_worker']['median']:,.0f} ms)")
 
 
 def multihost() -> str:
