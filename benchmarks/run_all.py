@@ -613,7 +613,7 @@ BENCHMARKS = [
               quick=["benchmarks/picker_overhead.py", "--quick", "--out", str(SCRATCH / "picker_overhead.json")],
               files=["picker_overhead"]),
     Benchmark("tracing_overhead", "OpenTelemetry traces on (every request sampled, OTLP to a receiver) vs off, "
-              "fake upstream, 500 RPS", "≤ +0.3 ms p99", "`python benchmarks/tracing_overhead.py`", tracing_overhead,
+              "fake upstream (rate in the result's setup)", "≤ +0.3 ms p99", "`python benchmarks/tracing_overhead.py`", tracing_overhead,
               run=["benchmarks/tracing_overhead.py"],
               quick=["benchmarks/tracing_overhead.py", "--quick", "--out", str(SCRATCH / "tracing_overhead.json")],
               files=["tracing_overhead"]),
