@@ -220,25 +220,29 @@ class Target:
 
 
 class Yieldgate(Target):
-    def __init__(self, upstream: str, workdir: Path, variant: str, code: Path = ROOT):
-        """`code`: the checkout whose gateway runs (another worktree, to compare code versions)."""
+    def __init__(self, upstream: str, workdir: Path, variant: str, code: Path = ROOT,
+                 overrides: dict[str, str] | None = None, cores: str = GATEWAY_CORE, label: str = ""):
+        """`code`: the checkout whose gateway runs (another worktree, to compare code versions);
+        `overrides`: YIELDGATE_* settings on top of the variant's (e.g. YIELDGATE_SERVER__WORKERS);
+        `cores`: the CPUs it may run on."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         v = VARIANTS[variant]
-        self.workdir = workdir / f"yg-{variant}"
+        self.workdir = workdir / f"yg-{label or variant}"
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
         cfg = self.workdir / "gateway.toml"
         cfg.write_text(gateway_config(self.port, upstream, self.workdir, **v))
         env = {k: val for k, val in os.environ.items() if not k.startswith("YIELDGATE_")}
         env["YIELDGATE_HOME"] = str(self.workdir)
+        env.update(overrides or {})
         # Another checkout runs with its own venv's python: an editable install maps `yieldgate` to
         # one checkout, whatever the working directory.
         python = code / ".venv" / "bin" / "python" if code != ROOT and (code / ".venv").is_dir() else Path(PY)
-        self.proc = subprocess.Popen(["taskset", "-c", GATEWAY_CORE, str(python), "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
+        self.proc = subprocess.Popen(["taskset", "-c", cores, str(python), "-m", "yieldgate.gateway.cli", "gateway", "--config", str(cfg)],
                                      cwd=code, env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.workdir / "gateway.log", "wb"))
-        self._wait_up(self.url + "/healthz", 60)
+        self._wait_up(self.url + "/healthz", 180)  # a loaded host starts it slowly
         self.api_key: str | None = None
         if v["require_keys"]:
             self.api_key = self._create_key()

@@ -321,6 +321,29 @@ def picker_overhead() -> str:
             f"+{g['streams_added_ms_p50']:.1f} ms; {failed} failed ([picker.md](docs/picker.md))")
 
 
+def tracing_overhead() -> str:
+    d = load("tracing_overhead")
+    sm = d["summary"]
+    p99, cpu = sm["p99_ms"], sm["cpu_us_per_request"]
+    rounds = p99["tracing_on"]["n"]
+    added = f"{sm['added_p99_ms']:+.2f} ms"
+    return (f"added p99 {bold(added, sm['added_p99_ms'] <= sm['goal_added_p99_ms'])} "
+            f"(p99 {p99['tracing_on']['median']:.2f} vs {p99['tracing_off']['median']:.2f} ms, medians of {rounds} "
+            f"interleaved rounds); gateway CPU per request {cpu['tracing_on']['median']:,.0f} vs "
+            f"{cpu['tracing_off']['median']:,.0f} µs; a span {sm['micro']['span_us_per_request']:.0f} µs in-process, "
+            "none made when off")
+
+
+def gateway_workers() -> str:
+    d = load("gateway_workers")
+    sm = d["summary"]
+    rps, p99 = sm["max_sustained_rps"], sm["p99_ms_at_max"]
+    ratio = f"{sm['ratio']:.2f}×"
+    return (f"{bold(ratio, sm['met'])} ({rps['2_workers']['median']:,.0f} vs "
+            f"{rps['1_worker']['median']:,.0f} RPS, medians of {rps['1_worker']['n']} interleaved rounds; p99 at that "
+            f"rate {p99['2_workers']['median']:,.0f} vs {p99['1_worker']['median']:,.0f} ms)")
+
+
 def multihost() -> str:
     d = load("multihost")
     if "runs" not in d:  # one run, without its re-sent connections
@@ -615,6 +638,16 @@ BENCHMARKS = [
               run=["benchmarks/picker_overhead.py"],
               quick=["benchmarks/picker_overhead.py", "--quick", "--out", str(SCRATCH / "picker_overhead.json")],
               files=["picker_overhead"]),
+    Benchmark("tracing_overhead", "OpenTelemetry traces on (every request sampled, OTLP to a receiver) vs off, "
+              "fake upstream (rate in the result's setup)", "≤ +0.3 ms p99", "`python benchmarks/tracing_overhead.py`", tracing_overhead,
+              run=["benchmarks/tracing_overhead.py"],
+              quick=["benchmarks/tracing_overhead.py", "--quick", "--out", str(SCRATCH / "tracing_overhead.json")],
+              files=["tracing_overhead"]),
+    Benchmark("gateway_workers", "2 gateway workers (`server.workers`) vs 1: max sustained RPS, fake upstream",
+              "≥ 1.7×", "`python benchmarks/gateway_workers.py`", gateway_workers,
+              run=["benchmarks/gateway_workers.py"],
+              quick=["benchmarks/gateway_workers.py", "--quick", "--out", str(SCRATCH / "gateway_workers.json")],
+              files=["gateway_workers"]),
     Benchmark("agent_corpus", "tokenizer parity with the engine, agent chats (tools, calls, results, developer, part arrays)",
               "100%", "`scripts/dev test -k agent_corpus`", agent_parity, files=["agent_corpus"],
               **suite("test_cache_tokenizer_parity.py")),

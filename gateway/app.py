@@ -32,10 +32,11 @@ from .errors import APIError, InternalError, ModelNotFound, error_response
 from .exchange import Pipeline
 from .health import build_health_router
 from .openapi import install as install_openapi
-from .metrics import GatewayMetrics
+from .metrics import MULTIPROCESS, GatewayMetrics
 from .proxy import Proxy
 from .routing import Routing
 from .stall import LoopWatch
+from .tracing import Tracing
 from .schemas import ModelCard, ModelList
 from .weights import build_intake_router, weight_orchestrator
 
@@ -75,6 +76,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.instance_id, config.fleet.lora.metric_series)
         self.supervisor = supervisor  # the engines `yieldgate up` launched and keeps running
         self._down_reason: dict[str, str] = {}
+        self._publisher: asyncio.Task | None = None
         if supervisor is not None:
             supervisor.on_event = self._engine_event
         self.fleet = Fleet(config.fleet)
@@ -83,6 +85,8 @@ class Gateway:
         self.dashboard = Dashboard(self.accounting)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
         self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
+        if config.tracing.endpoint:
+            self.pipeline.tracing = Tracing(config.tracing, self.instance_id)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
         self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
         self.fleet.discovery.on_failure = self._discovery_failed
@@ -100,6 +104,8 @@ class Gateway:
         self.pipeline.start()
         await self.proxy.start()
         self.weights.start()
+        # One of several workers (gateway/workers.py): the others' scrapes read this one's counts.
+        self._publisher = asyncio.create_task(self.metrics.publish_every()) if MULTIPROCESS else None
 
     async def close(self) -> None:
         """Each part in turn, the ledger among the first (its journal flushed to the store), each
@@ -108,6 +114,11 @@ class Gateway:
                            ("adapters", self.adapters), ("routing", self.routing),
                            ("dashboard", self.dashboard), ("fleet", self.fleet)):
             await close_within(name, part.close())
+        if self._publisher is not None:  # the last counts, where the remaining workers' scrapes read them
+            self._publisher.cancel()
+            self.metrics.publish()
+        if self.pipeline.tracing is not None:  # the spans of the last requests, exported
+            await close_within("tracing", asyncio.to_thread(self.pipeline.tracing.shutdown))
         self.loop_watch.stop()
 
     def _engine_event(self, replica: str, event: str, detail: str) -> None:

@@ -42,8 +42,11 @@ def _load(config_path: Optional[Path]) -> Config:
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
-def _serve(config: Config, supervisor=None) -> None:
+def _serve(config: Config, supervisor=None, sockets=None) -> None:
     logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)  # when called from outside main()
+    if config.server.workers > 1 and sockets is None:
+        _serve_workers(config)
+        return
     # Loading the app takes seconds; a SIGTERM meanwhile must stop the gateway cleanly, not kill it
     # by the default action or get lost before uvicorn installs the server's own handlers.
     server = None
@@ -69,11 +72,35 @@ def _serve(config: Config, supervisor=None) -> None:
         server = draining_server(asgi, config)
         for sig in caught:
             server.handle_exit(sig, None)
-        server.run()
+        server.run(sockets=sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     logging.getLogger("yieldgate.drain").warning("stopped%s", f"; threads still running: {others}" if others else "")
+
+
+def _serve_workers(config: Config) -> None:
+    """`server.workers` gateway processes on one port (gateway/workers.py); engines stay here."""
+    from .app import InsecureConfig, check_exposure
+    from .workers import PortInUse, Workers
+
+    try:
+        check_exposure(config)
+        code = Workers(config, _serve_worker).run()
+    except (InsecureConfig, PortInUse) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    if code:
+        raise typer.Exit(code)
+
+
+def _serve_worker(config: Config, index: int) -> None:
+    """One of several workers (spawned by gateway/workers.py Workers): the gateway on a shared port."""
+    from .workers import enter_worker, reuseport_socket, worker_config
+
+    enter_worker()
+    config = worker_config(config, index)
+    _serve(config, sockets=[reuseport_socket(config.server.host, config.server.port)])
 
 
 @model_app.command("make")
@@ -114,9 +141,13 @@ def model_make(
 
 
 @app.command()
-def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file.")) -> None:
+def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
+            workers: Optional[int] = typer.Option(None, min=1, help="Gateway processes on the port (server.workers).")) -> None:
     """Run the gateway alone against the fleet in the config (replicas given by URL)."""
-    _serve(_load(config))
+    cfg = _load(config)
+    if workers:
+        cfg.server.workers = workers
+    _serve(cfg)
 
 
 @app.command()
@@ -173,6 +204,8 @@ def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
     model: Optional[str] = typer.Option(None, help="smollm2 (default), tiny, or a Hugging Face model directory."),
     port: Optional[int] = typer.Option(None, help="Gateway port (default 8000)."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Gateway processes on the port (server.workers); "
+                                          "engines are launched once."),
 ) -> None:
     """Start the demo fleet (launched vLLM engines) and the gateway; Ctrl-C stops everything."""
     from yieldgate.serving import LaunchError, Launcher, ModelUnavailable, Supervisor, ensure_model, served_name
@@ -180,6 +213,8 @@ def up(
     cfg = _load(config)
     if port:
         cfg.server.port = port
+    if workers:
+        cfg.server.workers = workers
     if model:
         if cfg.fleet.model == served_name(cfg.fleet.model_path):  # the name was not chosen in the config
             cfg.fleet.model = served_name(model)
@@ -193,7 +228,9 @@ def up(
         raise typer.Exit(1) from None
     cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
-    launcher = Launcher(cfg.fleet, model_path, log_dir)
+    tracing = cfg.tracing
+    launcher = Launcher(cfg.fleet, model_path, log_dir,
+                        otlp_traces_endpoint=tracing.endpoint if tracing.engines else "", otlp_protocol=tracing.protocol)
     supervisor: Supervisor | None = None
 
     def _terminate(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl-C

@@ -56,8 +56,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True):
     # relayed). Ctrl-C (SIGINT) skips the drain_s window.
     drain_s: float = 5.0
     stop_timeout_s: float = 30.0
+    # Gateway processes serving this port (gateway/workers.py): each binds it with SO_REUSEPORT and
+    # shares state through Redis/PostgreSQL as separate gateways do; one SIGTERM drains them all.
+    # About one per core the gateway may use (docs/deployment.md).
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"server.workers must be >= 1, not {self.workers}")
         if self.keep_alive_s <= 0:
             raise ValueError(f"server.keep_alive_s must be > 0, not {self.keep_alive_s}")
         if self.drain_s < 0 or self.stop_timeout_s < 0:
@@ -100,12 +106,32 @@ class PickerConfig(msgspec.Struct, forbid_unknown_fields=True):
     adapters: list[PickerAdapter] = []
 
 
+class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenTelemetry traces (gateway/tracing.py, docs/deployment.md): a span per request exported
+    over OTLP. Off unless an endpoint is set; off, no span object is made."""
+
+    endpoint: str = ""                 # OTLP collector, e.g. http://127.0.0.1:4317 (gRPC) or :4318/v1/traces
+    protocol: str = "grpc"             # "grpc" or "http/protobuf"
+    sample_ratio: float = 1.0          # of the traces the gateway starts; a client's sampled flag wins
+    service_name: str = "yieldgate"
+    # Engines that `yieldgate up` launches export their own spans to the same endpoint
+    # (vLLM's --otlp-traces-endpoint), children of the gateway's span.
+    engines: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError(f"tracing.sample_ratio must be within [0, 1], not {self.sample_ratio}")
+        if self.protocol not in ("grpc", "http/protobuf"):
+            raise ValueError(f'tracing.protocol must be "grpc" or "http/protobuf", not {self.protocol!r}')
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 class ConfigError(ValueError):

@@ -33,6 +33,7 @@ from .relay import StreamRelay
 from .routing import Routing
 from .schemas import ChatShaped
 from .tiers import FAST, STANDARD
+from .tracing import Tracing
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -53,6 +54,7 @@ class Pipeline:
         self.affinity = ResponseAffinity(config.fleet.model)
         self.streams = StreamLimiter(config.limits.streams_per_key)
         self.max_body_bytes = config.limits.max_body_bytes
+        self.tracing: Tracing | None = None  # set when tracing.endpoint is (gateway/tracing.py)
 
     def start(self) -> None:
         """Once accounting has started: stored responses are found through its Redis."""
@@ -84,7 +86,11 @@ class Pipeline:
             # unloads the old version only once nothing sent to it is in flight.
             ctx.adapter_held = True
             self.slots.acquire(ctx.adapter)
-        return Exchange(self, APIS[kind], intake, body)
+        exchange = Exchange(self, APIS[kind], intake, body)
+        if self.tracing is not None:
+            exchange.span = span = self.tracing.start(ctx, headers)
+            exchange.traceparent = self.tracing.traceparent(span)
+        return exchange
 
     def failover(self, requested: str, served_by: str) -> None:
         self.accounting.metrics.failovers.labels(requested, served_by).inc()
@@ -94,7 +100,7 @@ class Exchange:
     """One request from its admission to its end; the transport sends the bytes."""
 
     __slots__ = ("pipeline", "api", "intake", "ctx", "body", "billed", "lease", "relay", "ended", "failed",
-                 "stored", "_remembered")
+                 "stored", "_remembered", "span", "traceparent")
 
     def __init__(self, pipeline: Pipeline, api: Api, intake: Intake, body: bytes):
         self.pipeline = pipeline
@@ -109,6 +115,8 @@ class Exchange:
         self.failed: set[str] = set()        # replicas that failed this request: the next try avoids them
         self.stored: Any = None              # a Responses answer the engine stored, not yet remembered
         self._remembered = False
+        self.span: Any = None                # the request's trace span, when tracing is on
+        self.traceparent = b""               # its header line for the engine (gateway/tracing.py)
 
     @property
     def typed(self) -> Any:
@@ -159,6 +167,8 @@ class Exchange:
         if ctx.tier == FAST and self.billed and not p.accounting.fast_premium_earned(ctx):
             ctx.priced_tier = STANDARD  # the premium follows the speed-up measured for this class
         p.routing.sent(ctx, decision)
+        if self.span is not None:
+            p.tracing.routed(self.span, ctx, decision)
         if ctx.adapter is not None:
             # Counted on the replica before any load: a full replica never unloads an adapter
             # that a request is about to run there.
@@ -293,8 +303,12 @@ class Exchange:
             ctx.adapter_held = False
             p.slots.release(ctx.adapter, ctx.adapter_sent_to)
         p.routing.done(ctx)
+        extra: dict[str, Any] = {}
         if self.relay is not None:
             self.relay.end(status)
+            usage = self.relay.usage
         elif self.billed:
-            return p.accounting.finish(ctx, usage, status)
-        return {}
+            extra = p.accounting.finish(ctx, usage, status)
+        if self.span is not None:
+            p.tracing.end(self.span, ctx, status, usage)
+        return extra

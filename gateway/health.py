@@ -57,8 +57,7 @@ def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
         return json_response({"ready": ready, "draining": drain.draining, "degraded_tiers": down, "tiers": tiers},
                              200 if ready else 503)
 
-    @router.get("/metrics")
-    async def prometheus() -> Response:
+    def fleet_gauges() -> None:
         for r in fleet.replicas.values():
             metrics.replica_up.labels(r.name, r.tier).set(1 if r.routable else 0)
             metrics.inflight.labels(r.name).set(r.inflight)
@@ -67,6 +66,11 @@ def build_health_router(fleet: Fleet, metrics: GatewayMetrics,
         metrics.draining.set(1 if drain.draining else 0)
         for tier, status in fleet.discovery.status.items():
             metrics.discovery_stale.labels(tier).set(1 if status.stale else 0)
+
+    metrics.on_render(fleet_gauges)  # also run by a worker's periodic publish (gateway/metrics.py)
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return router

@@ -1,11 +1,48 @@
-"""Prometheus metrics (prefix `yieldgate_`), in a registry per app so tests can run several."""
+"""Prometheus metrics (prefix `yieldgate_`), in a registry per app so tests can run several.
+
+With several workers on one port (gateway/workers.py) prometheus_client runs in multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR, set by the parent before the workers start): each worker writes its
+values to files there, and a scrape, whichever worker answers it, reads them all. Counters and
+histograms are summed over every worker that ever ran; each gauge says how its workers' values
+combine (MULTIPROCESS_MODE below), and gauges of workers that exited are dropped.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from bisect import bisect_left
 from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# prometheus_client's own switch: set, every value lives in files under this directory.
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+# How often a worker writes its batched counts and scrape-time gauges for the others' scrapes.
+PUBLISH_INTERVAL_S = 1.0
+
+# How each gauge's per-worker values combine in one scrape (multiprocess mode only).
+MULTIPROCESS_MODE = {
+    "yieldgate_gateway_info": "livesum",          # one series per live worker's instance id
+    "yieldgate_gateway_draining": "livemax",      # draining once any worker is (they drain together)
+    "yieldgate_inflight_requests": "livesum",     # requests in flight per replica, all workers
+    "yieldgate_replica_up": "livemin",            # up only if every worker routes to it
+    "yieldgate_tier_routable_replicas": "livemin",
+    "yieldgate_discovery_stale": "livemax",
+    "yieldgate_ledger_pending_bytes": "livesum",  # each worker has its own journal
+    "yieldgate_budget_remaining_usd": "livemostrecent",  # read from the shared store: any worker's latest
+    # Ratios since each worker's start over its own traffic: not summable, so one series per worker (pid).
+    "yieldgate_cache_hit_ratio": "liveall",
+    "yieldgate_list_revenue_per_mtok_usd": "liveall",
+    "yieldgate_actual_cost_per_mtok_usd": "liveall",
+    "yieldgate_margin_ratio": "liveall",
+    "yieldgate_replica_utilization": "liveall",
+}
+
+
+def _gauge(name: str, documentation: str, labels: Any = (), **kwargs: Any) -> Gauge:
+    return Gauge(name, documentation, labels, multiprocess_mode=MULTIPROCESS_MODE[name], **kwargs)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -59,10 +96,10 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry()
         # Which gateway these series come from, for joins when several share a dashboard:
         # yieldgate_requests_total * on(instance) group_left(instance_id) yieldgate_gateway_info.
-        self.info = Gauge("yieldgate_gateway_info", "1, labelled with this gateway's instance id",
+        self.info = _gauge("yieldgate_gateway_info", "1, labelled with this gateway's instance id",
                           ["instance_id"], registry=r)
         self.info.labels(instance_id).set(1)
-        self.draining = Gauge("yieldgate_gateway_draining", "1 once SIGTERM made the gateway drain",
+        self.draining = _gauge("yieldgate_gateway_draining", "1 once SIGTERM made the gateway drain",
                               registry=r)
         self.requests = Counter(
             "yieldgate_requests", "Requests by endpoint, tier and HTTP status",
@@ -76,12 +113,12 @@ class GatewayMetrics:
         self.latency = Histogram(
             "yieldgate_request_duration_seconds", "End-to-end request duration at the gateway",
             ["tier"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.inflight = Gauge(
+        self.inflight = _gauge(
             "yieldgate_inflight_requests", "Requests in flight per replica", ["replica"], registry=r)
-        self.replica_up = Gauge(
+        self.replica_up = _gauge(
             "yieldgate_replica_up", "1 when the replica is healthy and admitted", ["replica", "tier"],
             registry=r)
-        self.tier_routable = Gauge(
+        self.tier_routable = _gauge(
             "yieldgate_tier_routable_replicas", "Replicas of the tier that are healthy and admitted", ["tier"],
             registry=r)
         self.failovers = Counter(
@@ -117,23 +154,23 @@ class GatewayMetrics:
             ["key", "team"], registry=r)
         # Inference economics. Ratios and per-1M figures are gauges refreshed at scrape time from
         # the accounting state, so the request path only bumps counters.
-        self.cache_hit_ratio = Gauge(
+        self.cache_hit_ratio = _gauge(
             "yieldgate_cache_hit_ratio", "Cached / prompt tokens since start", ["tier", "model"],
             registry=r)
-        self.list_per_mtok = Gauge(
+        self.list_per_mtok = _gauge(
             "yieldgate_list_revenue_per_mtok_usd",
             "List-price revenue per 1M tokens served since start", ["tier", "model"], registry=r)
-        self.actual_per_mtok = Gauge(
+        self.actual_per_mtok = _gauge(
             "yieldgate_actual_cost_per_mtok_usd",
             "Replica cost (hourly, busy or idle) allocated per 1M tokens served since start",
             ["tier", "model"], registry=r)
-        self.margin_ratio = Gauge(
+        self.margin_ratio = _gauge(
             "yieldgate_margin_ratio", "(list revenue - allocated replica cost) / list revenue",
             ["tier", "model"], registry=r)
-        self.replica_utilization = Gauge(
+        self.replica_utilization = _gauge(
             "yieldgate_replica_utilization", "Request-busy time / elapsed time per replica",
             ["replica"], registry=r)
-        self.budget_remaining = Gauge(
+        self.budget_remaining = _gauge(
             "yieldgate_budget_remaining_usd",
             "Budget minus spent and reserved for the current period, per API key", ["key_id", "team"],
             registry=r)
@@ -141,14 +178,14 @@ class GatewayMetrics:
             "yieldgate_aborted_estimated_tokens",
             "Tokens billed on an estimate because the client left a stream early", ["kind", "tier"],
             registry=r)
-        self.ledger_pending_bytes = Gauge(
+        self.ledger_pending_bytes = _gauge(
             "yieldgate_ledger_pending_bytes", "Journal bytes not yet confirmed by the ledger store",
             registry=r)
         self.discovery_failures = Counter(
             "yieldgate_discovery_failures",
             "Replica lookups that gave no usable answer (the tier kept its last good set), by reason",
             ["tier", "reason"], registry=r)
-        self.discovery_stale = Gauge(
+        self.discovery_stale = _gauge(
             "yieldgate_discovery_stale",
             "1 while the tier's last replica lookup failed and its last good set is kept", ["tier"],
             registry=r)
@@ -172,8 +209,24 @@ class GatewayMetrics:
         """Run `refresh` before every scrape (sets the gauges derived from accounting state)."""
         self._refresh.append(refresh)
 
-    def render(self) -> bytes:
+    def publish(self) -> None:
+        """Scrape-time gauges set and batched counts applied (in multiprocess mode: written where
+        the other workers' scrapes read them)."""
         for refresh in self._refresh:
             refresh()
         self.batch.apply()
+
+    def render(self) -> bytes:
+        self.publish()
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
+
+    async def publish_every(self, interval_s: float = PUBLISH_INTERVAL_S) -> None:
+        """Multiprocess mode: publish periodically, so that a scrape answered by another worker
+        counts this one's requests (at most `interval_s` late)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.publish()

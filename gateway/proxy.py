@@ -138,7 +138,8 @@ class Proxy:
                 break
             try:
                 resp = await self.upstream.post(self._endpoint(replica, ctx.kind), payload,
-                                                b"x-request-id: %s\r\n" % ctx.request_id.encode("latin-1"))
+                                                b"x-request-id: %s\r\n%s" % (ctx.request_id.encode("latin-1"),
+                                                                               exchange.traceparent))
                 return replica, resp
             except _RETRYABLE as exc:
                 exchange.retry(replica, exc)

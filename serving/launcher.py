@@ -156,6 +156,10 @@ class Launcher:
     model_path: str
     log_dir: Path
     engines: list[EngineProcess] = field(default_factory=list)
+    # An OTLP endpoint the engines export their own spans to (vLLM's --otlp-traces-endpoint); a
+    # request's `traceparent` from the gateway makes them children of its span. "" = no spans.
+    otlp_traces_endpoint: str = ""
+    otlp_protocol: str = "grpc"
 
     def start(self) -> list[EngineProcess]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -167,8 +171,9 @@ class Launcher:
         log_path = self.log_dir / f"{replica.name}.log"
         with open(log_path, "ab", buffering=0) as log:
             proc = subprocess.Popen(
-                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica, self.fleet.lora),
-                env=engine_env(replica, self.fleet.lora),
+                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica, self.fleet.lora)
+                + self._tracing_args(replica),
+                env=engine_env(replica, self.fleet.lora) | self._tracing_env(replica),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -176,6 +181,17 @@ class Launcher:
                 preexec_fn=_die_with_parent,
             )
         return EngineProcess(replica, proc, log_path)
+
+    def _tracing_args(self, replica: ReplicaConfig) -> list[str]:
+        if not self.otlp_traces_endpoint or "--otlp-traces-endpoint" in replica.launch.args:
+            return []
+        return ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+
+    def _tracing_env(self, replica: ReplicaConfig) -> dict[str, str]:
+        if not self.otlp_traces_endpoint:
+            return {}
+        # vLLM reads the exporter protocol from the standard variable (gRPC unless told).
+        return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": self.otlp_protocol, "OTEL_SERVICE_NAME": f"vllm-{replica.name}"}
 
     def wait_healthy(self, timeout: float | None = None, progress: Callable[[str, float, set[str]], None] | None = None) -> None:
         """Block until every launched engine answers /health; raise LaunchError if one dies."""

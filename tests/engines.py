@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -58,3 +60,16 @@ def stop_engine(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_engine(model_dir: Path, port: int, log_path: Path, *args: str, host: str = "127.0.0.1",
+                   **kwargs) -> Iterator[str]:
+    """start_engine(...) until healthy; yields its URL and stops it afterwards."""
+    proc = start_engine(model_dir, port, log_path, *args, host=host, **kwargs)
+    try:
+        url = f"http://{host}:{port}"
+        wait_healthy(url, proc, log_path)
+        yield url
+    finally:
+        stop_engine(proc)
