@@ -36,7 +36,14 @@ def test_wheel_installs_only_the_yieldgate_namespace(tmp_path):
                    check=True, timeout=300)
     landed = {p.name for p in set(Path(site).iterdir()) - before}
     assert landed == {"yieldgate", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, landed
-    # The namespace imports from the installed copy (its package __init__ imports nothing third-party).
+    # The namespace imports from the installed copy; its faces' __init__ need lazy_loader alone.
+    import shutil
+
+    import lazy_loader
+
+    deps = tmp_path / "deps"
+    shutil.copytree(Path(lazy_loader.__file__).parent, deps / "lazy_loader")
     out = subprocess.run([str(py), "-c", "import yieldgate.gateway as m; print(m.__file__)"],
-                         check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+                         check=True, capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(deps), "PATH": "/usr/bin:/bin"}).stdout
     assert out.startswith(site)
