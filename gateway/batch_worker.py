@@ -60,6 +60,7 @@ class BatchWorker:
         self._task: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._backoff_until = 0.0
+        self._stopping: set[str] = set()       # jobs cancelled or expired: their lines in flight are cut off
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="yieldgate-batch-worker")
@@ -102,7 +103,9 @@ class BatchWorker:
                 log.warning("batch leases not renewed: %s", exc)
 
     async def _round(self) -> None:
-        for batch in await self.store.active():
+        active = await self.store.active()
+        self._stopping &= {b.id for b in active}  # closed meanwhile, perhaps by another gateway
+        for batch in active:
             if batch.status == "cancelling":
                 await self._close(batch, "cancelling")
             elif time.time() >= batch.expires_at:
@@ -130,9 +133,15 @@ class BatchWorker:
         """Cancelled or expired: lines nobody runs fail with the reason; once the running ones are
         answered (they finish, billed for what ran), the job closes."""
         status, code, message = _CLOSED_BY[why]
+        if batch.id not in self._stopping:  # stop within seconds, whatever the lines' max_tokens
+            self._stopping.add(batch.id)
+            for (batch_id, _), task in list(self.running.items()):
+                if batch_id == batch.id:
+                    task.cancel()
         await self.store.close_open_lines(batch.id, lambda custom_id, _line: line_error(custom_id, code, message))
         if (await self.store.counts(batch.id)).open == 0:
             await self._finish(batch, status)
+            self._stopping.discard(batch.id)
 
     async def _finish(self, batch: BatchRow, status: str) -> None:
         """Every stored record into the ledger (again: replays add nothing), then the job's files."""
@@ -159,7 +168,14 @@ class BatchWorker:
             await self.store.release(batch.id, claimed.line, self.owner, counts=later.counts)
             return
         except asyncio.CancelledError:
-            raise  # close() gives the line back
+            if batch.id not in self._stopping:
+                raise  # the gateway stops: close() gives the line back
+            # Cut off by the job's cancel or expiry: nothing of it is delivered, nothing billed.
+            _, code, message = _CLOSED_BY["cancelling" if time.time() < batch.expires_at else "expired"]
+            await self.store.finish_line(batch.id, claimed.line, self.owner, False,
+                                         line_error(claimed.custom_id, code, message + " It was cut off while "
+                                                    "running and is not billed."), None)
+            return
         except Exception:
             log.exception("batch %s line %d failed", batch.id, claimed.line)
             status, body = 500, error_body("Internal gateway error.", "server_error", None, "internal_error")
@@ -201,6 +217,9 @@ class BatchWorker:
             return self._later(claimed, exc)
         except APIError as exc:
             return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+        except asyncio.CancelledError:
+            exchange.end("cancelled")  # not an estimated status: a line cut off is not billed
+            raise
         finally:
             exchange.end("error")  # a no-op once the answer ended it
 
