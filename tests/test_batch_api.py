@@ -207,3 +207,22 @@ def test_flex_is_answered_as_flex_at_the_flex_price(owner, admin):
     usage = PricedUsage(int(row["prompt_tokens"]), int(row["cached_tokens"]), int(row["completion_tokens"]))
     assert row["tier"] == "flex"
     assert Decimal(row["cost_total"]) == PriceBook().cost("demo", "standard", usage).total / 2
+
+
+@pytest.mark.parametrize("endpoint, body, text", [
+    ("/v1/completions", {"model": "demo", "max_tokens": 4, "prompt": "Once upon a time"},
+     lambda b: b["choices"][0]["text"]),
+    ("/v1/responses", {"model": "demo", "max_output_tokens": 4, "input": "Say hello."},
+     lambda b: b["output"][-1]["content"][0]["text"]),
+])
+def test_completions_and_responses_lines_run_too(owner, admin, endpoint, body, text):
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": endpoint, "body": body} for i in range(2)]
+    uploaded = owner.files.create(file=("c.jsonl", jsonl(lines)), purpose="batch")
+    batch = wait_done(owner, owner.batches.create(input_file_id=uploaded.id, endpoint=endpoint,
+                                                  completion_window="24h").id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    output = read_jsonl(owner, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == ["c0", "c1"]
+    assert all(isinstance(text(o["response"]["body"]), str) for o in output)
+    rows = [r for r in ledger_rows(admin, batch.id) if r["status"] == "ok"]
+    assert len(rows) == 2 and {r["route"] for r in rows} == {"completions" if "compl" in endpoint else "responses"}

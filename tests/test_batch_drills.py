@@ -62,15 +62,14 @@ def postgres_url() -> str:
 
 
 @pytest.fixture
-def gateways(tmp_path, engine, postgres_url):
+def gateways(tmp_path, engine, postgres_url, gateway_process_factory):
     """Start gateway processes on the drill's engine and PostgreSQL; each its own data dir."""
-    started: list[GatewayProcess] = []
     redis_url = f"redis://127.0.0.1:6379/{os.environ.get('YIELDGATE_TEST_DRILL_REDIS_DB', '14')}"
 
     def start(**lanes) -> GatewayProcess:
         config = Config(
             server=ServerConfig(host=HOST, admin_token=ADMIN, redis_url=redis_url, postgres_url=postgres_url,
-                                data_dir=str(tmp_path / f"data-{len(started)}")),
+                                data_dir=str(tmp_path / f"data-{uuid.uuid4().hex[:8]}")),
             fleet=FleetConfig(model="demo", health_interval_s=0.5, replicas=[
                 ReplicaConfig(name="std", tier="standard", url=engine)]))
         config.pricing.ledger.store = "postgres"
@@ -78,13 +77,9 @@ def gateways(tmp_path, engine, postgres_url):
         config.pricing.limits.key_pepper = PEPPER  # gateways of one fleet share it (docs/deployment.md)
         for name, value in ({"batch_lease_s": 2.0, "batch_poll_s": 0.2, "batch_lines_per_replica": 2} | lanes).items():
             setattr(config.lanes, name, value)
-        gw = GatewayProcess(config, tmp_path / "gateways")
-        started.append(gw)
-        return gw
+        return gateway_process_factory(config)
 
-    yield start
-    for gw in started:
-        gw.stop()
+    return start
 
 
 def admin(gw: GatewayProcess) -> httpx.Client:
