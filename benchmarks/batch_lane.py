@@ -7,11 +7,12 @@ Two gateways in front of it, each with a PostgreSQL database of its own:
 
 - `lanes`: the gateway as shipped — batch lines at engine priority 2, admitted only while the
   engine has no request waiting, `--lines-per-replica` of them at most;
+- `lanes_1`: the same with one batch line at a time per replica (the trade-off's other end);
 - `naive`: the same job run the way a batch system without lanes would (no priority, admitted
   regardless of the engine's queue, 16 lines at once).
 
 Targets, interleaved (benchmarks/harness.py), `--runs` rounds: `alone` (the interactive workload,
-no job), `lanes` and `naive` (a job of `--batch-lines` lines submitted first, the interactive workload
+no job), `lanes`, `lanes_1` and `naive` (a job of `--batch-lines` lines submitted first, the interactive workload
 while it runs; the job is cancelled afterwards). The interactive workload: `--concurrency` clients
 sending streamed chat requests back to back, `--interactive` in all; TTFT per request. Batch lines
 finished during the interactive window are counted too. Result: benchmarks/results/batch_lane.json.
@@ -202,8 +203,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="yg-batch-lane-"))
     tag = secrets.token_hex(4)
     with engine(args.port, args.max_num_seqs, work / "engine.log") as engine_url, \
-            database(f"yg_bench_lanes_{tag}") as lanes_pg, database(f"yg_bench_naive_{tag}") as naive_pg:
+            database(f"yg_bench_lanes_{tag}") as lanes_pg, database(f"yg_bench_lanes1_{tag}") as lanes1_pg, \
+            database(f"yg_bench_naive_{tag}") as naive_pg:
         lanes_gw = gateway(engine_url, lanes_pg, work, redis_url, batch_lines_per_replica=args.lines_per_replica)
+        lanes1_gw = gateway(engine_url, lanes1_pg, work, redis_url, batch_lines_per_replica=1)
         naive_gw = gateway(engine_url, naive_pg, work, redis_url, priority=False, batch_max_waiting=1_000_000,
                            batch_lines_per_replica=16)
         try:
@@ -212,14 +215,15 @@ def main() -> None:
                 "alone": lambda: figures(interactive(lanes_gw.url, args.interactive, args.concurrency,
                                                      args.interactive_tokens)),
                 "lanes": lambda: with_batch(lanes_gw.url, args),
+                "lanes_1": lambda: with_batch(lanes1_gw.url, args),
                 "naive": lambda: with_batch(naive_gw.url, args),
             }, n=args.runs)
         finally:
-            lanes_gw.stop()
-            naive_gw.stop()
+            for gw in (lanes_gw, lanes1_gw, naive_gw):
+                gw.stop()
     p99 = harness.by_target(runs, "ttft_p99_ms")
     ratios = {}
-    for target in ("lanes", "naive"):
+    for target in ("lanes", "lanes_1", "naive"):
         per_round = [r["ttft_p99_ms"] / a["ttft_p99_ms"] for r in runs for a in runs
                      if r["target"] == target and a["target"] == "alone" and r["round"] == a["round"]
                      and r["ttft_p99_ms"] and a["ttft_p99_ms"]]
@@ -230,7 +234,7 @@ def main() -> None:
     setup = (f"one demo engine (standard-0 as yieldgate up launches it, --max-num-seqs {args.max_num_seqs}); "
              f"{args.interactive} streamed interactive chat requests at concurrency {args.concurrency}, "
              f"{args.interactive_tokens} tokens each; a batch job of {args.batch_lines} lines x {args.batch_tokens} "
-             f"tokens running meanwhile (lanes: priority 2, admitted at 0 waiting, {args.lines_per_replica} lines; "
+             f"tokens running meanwhile (lanes: priority 2, admitted at 0 waiting, {args.lines_per_replica} lines; lanes_1: 1 line; "
              "naive: no priority, 16 lines regardless of the queue)")
     rec.write(runs=runs, summary=summary, setup=setup)
     print(json.dumps(summary, indent=2))

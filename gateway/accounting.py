@@ -509,7 +509,8 @@ class Accounting:
         t.cached_tokens += priced.cached_tokens
         t.completion_tokens += priced.completion_tokens
         t.revenue += cost.total
-        if not estimated and priced.completion_tokens and latency > 0:
+        # Flex and batch run behind interactive work: their speed says nothing of a tier's.
+        if not estimated and priced.completion_tokens and latency > 0 and not ctx.lane:
             self._observe_speed(ctx, priced, cost, latency)
         if ctx.replica is not None:
             self.fleet_cost.observe(ctx.replica.name, ctx.model, ctx.tier, priced, cost,
