@@ -438,8 +438,8 @@ class Accounting:
             if usage is not None else Cost()
         key = ctx.key
         finished_at = time.time()
-        if self.ledger is not None:
-            self.ledger.record(LedgerRecord.priced(
+        if self.ledger is not None or ctx.record_sink is not None:
+            record = LedgerRecord.priced(
                 request_id=ctx.request_id, usage=priced, cost=cost, ts=finished_at,
                 key_id=key.id if key else "", team=key.team if key else "", model=ctx.model,
                 tier=price_tier, requested_tier=ctx.requested_tier or (ctx.tier if ctx.priced_tier else ""),
@@ -447,7 +447,11 @@ class Accounting:
                 adapter=ctx.adapter.name if ctx.adapter is not None else "",
                 session_id=ctx.session_id or None, route=ctx.kind,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
-                latency_ms=round(latency * 1000, 3), status=status))
+                latency_ms=round(latency * 1000, 3), status=status, batch_id=ctx.batch_id)
+            if ctx.record_sink is not None:
+                ctx.record_sink(record)  # a batch line: stored with its output line, then recorded
+            else:
+                self.ledger.record(record)
         if key is not None:
             self._after_keyed(ctx, key, cost, priced, finished_at)
         if usage is None:
@@ -501,7 +505,8 @@ class Accounting:
         t.cached_tokens += priced.cached_tokens
         t.completion_tokens += priced.completion_tokens
         t.revenue += cost.total
-        if not estimated and priced.completion_tokens and latency > 0:
+        # Flex and batch run behind interactive work: their speed says nothing of a tier's.
+        if not estimated and priced.completion_tokens and latency > 0 and not ctx.lane:
             self._observe_speed(ctx, priced, cost, latency)
         if ctx.replica is not None:
             self.fleet_cost.observe(ctx.replica.name, ctx.model, ctx.tier, priced, cost,

@@ -21,7 +21,7 @@ from .errors import (APIError, anthropic_error_body, anthropic_error_response, a
 from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                       ResponsesRequest)
 from .sse import DONE, EVENT_END, data_event, events
-from .tiers import RESPONSE_SERVICE_TIER
+from .tiers import response_service_tier
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -105,7 +105,7 @@ class Api:
         return self.usage(event)
 
     def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
-        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
+        answer["service_tier"] = response_service_tier(ctx.tier, ctx.lane)
         answer["system_fingerprint"] = f"yieldgate-{ctx.weight_version}"
         _add_to_usage(answer, "prompt_tokens_details", usage, extra)
 
@@ -172,7 +172,7 @@ class ResponsesApi(Api):
         return self.usage(response) if isinstance(response, dict) else Usage()
 
     def decorate(self, answer: dict[str, Any], ctx: RequestContext, usage: Usage, extra: dict[str, Any]) -> None:
-        answer["service_tier"] = RESPONSE_SERVICE_TIER[ctx.tier]
+        answer["service_tier"] = response_service_tier(ctx.tier, ctx.lane)
         _add_to_usage(answer, "input_tokens_details", usage, extra)
 
     def decorate_final(self, event: dict[str, Any], ctx: RequestContext, usage: Usage,

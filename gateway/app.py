@@ -24,6 +24,9 @@ from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
 from .apis import APIS, ROUTES
+from .batch_api import build_batch_router
+from .batch_store import BatchStore, BatchStoreUnavailable, new_id
+from .batch_worker import BatchWorker
 from .http import admin_only
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
@@ -89,6 +92,13 @@ class Gateway:
             self.pipeline.tracing = Tracing(config.tracing, self.instance_id)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
         self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
+        # The Batch API: its files and jobs in PostgreSQL, its lines run by every gateway's worker.
+        self.batch_store: BatchStore | None = None
+        self.batch_worker: BatchWorker | None = None
+        if config.server.postgres_url and config.lanes.batch:
+            self.batch_store = BatchStore(config.server.postgres_url)
+            self.batch_worker = BatchWorker(self.batch_store, self.pipeline, self.proxy, config.lanes,
+                                            owner=new_id(f"{self.instance_id}-"))
         self.fleet.discovery.on_failure = self._discovery_failed
         self.fleet.on_join.append(self._joined)
         self.fleet.on_leave.append(self._left)
@@ -106,10 +116,20 @@ class Gateway:
         self.weights.start()
         # One of several workers (gateway/workers.py): the others' scrapes read this one's counts.
         self._publisher = asyncio.create_task(self.metrics.publish_every()) if MULTIPROCESS else None
+        if self.batch_store is not None and self.batch_worker is not None:
+            try:
+                await self.batch_store.open()
+                self.batch_worker.start()
+            except BatchStoreUnavailable as exc:  # the Batch API answers 503 until a restart finds it
+                log.error("Batch API unavailable: %s", exc)
 
     async def close(self) -> None:
         """Each part in turn, the ledger among the first (its journal flushed to the store), each
         bounded in time (gateway/drain.py close_within): one part that hangs stops nothing else."""
+        if self.batch_worker is not None:  # its lines in flight go back to the queue
+            await close_within("batch worker", self.batch_worker.close())
+        if self.batch_store is not None:
+            await close_within("batch store", self.batch_store.close())
         for name, part in (("weights", self.weights), ("proxy", self.proxy), ("accounting", self.accounting),
                            ("adapters", self.adapters), ("routing", self.routing),
                            ("dashboard", self.dashboard), ("fleet", self.fleet)):
@@ -249,6 +269,9 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
     app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))
     app.include_router(build_feedback_router(gw.accounting, api_key))
+    if gw.batch_store is not None:
+        app.include_router(build_batch_router(gw.batch_store, gw.accounting, config.lanes.max_file_bytes,
+                                              config.limits.max_body_bytes))
     app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
     inference = [Depends(api_key)]
 

@@ -89,6 +89,34 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True):
     weight_swap_hold_s: float = 60.0
 
 
+class LaneConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The flex and batch lanes (docs/batch.md): engine priorities and admission."""
+
+    # Send vLLM's per-request `priority` (lower first) for flex and batch requests; the engines
+    # must run with --scheduling-policy priority (`yieldgate up` launches them so).
+    priority: bool = True
+    flex_priority: int = 1
+    batch_priority: int = 2
+    # A flex request gets a 429 with retry-after when every replica of its tier has more than
+    # this many requests waiting in its engine: refused at once rather than left to time out.
+    flex_max_waiting: int = 8
+    flex_retry_after_s: int = 10
+    # Batch lines enter a replica only while its engine's waiting queue is at most batch_max_waiting,
+    # and at most batch_lines_per_replica of this gateway's lines run on it at once.
+    batch_max_waiting: int = 0
+    batch_lines_per_replica: int = 4
+    batch: bool = True                 # run the Batch API and its worker (needs server.postgres_url)
+    batch_poll_s: float = 1.0          # how often an idle worker looks for work
+    batch_lease_s: float = 30.0        # a claimed line returns to the queue if its lease is not renewed
+    max_file_bytes: int = 200 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.batch_lines_per_replica < 1 or self.batch_lease_s <= 0 or self.batch_poll_s <= 0:
+            raise ValueError("lanes.batch_lines_per_replica, batch_lease_s and batch_poll_s must be > 0")
+        if min(self.flex_priority, self.batch_priority) < 1:
+            raise ValueError("lanes.flex_priority and lanes.batch_priority must be >= 1 (0 is interactive)")
+
+
 class PickerAdapter(msgspec.Struct, forbid_unknown_fields=True):
     """A LoRA adapter version the picker places on its engines at start (it has no admin API)."""
 
@@ -132,6 +160,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    lanes: LaneConfig = msgspec.field(default_factory=LaneConfig)
 
 
 class ConfigError(ValueError):

@@ -46,6 +46,14 @@ class RequestContext:
     adapter: AdapterRoute | None = None     # the LoRA adapter version the request was bound to
     adapter_held: bool = False              # counted in flight on that version (gateway/exchange.py)
     adapter_sent_to: str = ""               # ... and on the replica it was sent to (Adapters.touch)
+    # The lane (gateway/lanes.py): "" interactive, "flex" or "batch"; its engine priority
+    # (vLLM's per-request `priority`, lower first; 0 = interactive, never sent).
+    lane: str = ""
+    priority: int = 0
+    batch_id: str = ""                      # a batch line's job (recorded in its ledger record)
+    # Where the ledger record goes instead of the ledger: a batch line's record is stored with its
+    # output line in one transaction, then recorded (gateway/batch_worker.py).
+    record_sink: Any = None
 
     @property
     def replica_name(self) -> str:

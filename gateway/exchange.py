@@ -28,11 +28,12 @@ from .config import Config
 from .context import RequestContext
 from .errors import PayloadTooLarge, ServiceUnavailable, UpstreamError
 from .intake import Intake, open_request, upstream_payload
+from .lanes import Lanes
 from .limits import StreamLease, StreamLimiter, stream_owner
 from .relay import StreamRelay
 from .routing import Routing
 from .schemas import ChatShaped
-from .tiers import FAST, STANDARD
+from .tiers import FAST, FLEX, STANDARD
 from .tracing import Tracing
 
 _decode = msgspec.json.Decoder().decode
@@ -55,6 +56,7 @@ class Pipeline:
         self.streams = StreamLimiter(config.limits.streams_per_key)
         self.max_body_bytes = config.limits.max_body_bytes
         self.tracing: Tracing | None = None  # set when tracing.endpoint is (gateway/tracing.py)
+        self.lanes = Lanes(config.lanes, fleet)  # flex and batch: engine priority, admission on headroom
 
     def start(self) -> None:
         """Once accounting has started: stored responses are found through its Redis."""
@@ -73,12 +75,16 @@ class Pipeline:
             raise PayloadTooLarge(f"Request body exceeds {self.max_body_bytes} bytes.")
 
     def open(self, kind: str, headers: dict[bytes, bytes], body: bytes, key: ApiKey | None,
-             started: float | None = None) -> "Exchange":
+             started: float | None = None, lane: str = "") -> "Exchange":
         """Validate the body and resolve model, tier and adapter (4xx if it cannot be served).
-        From here on the request must `end`."""
+        From here on the request must `end`. `lane`: a batch line's (served and priced as its lane)."""
         intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started,
                               adapters=self.adapters)
         ctx = intake.ctx
+        if lane:
+            ctx.tier, ctx.lane, ctx.priced_tier = STANDARD, lane, lane
+        if ctx.lane:
+            ctx.priority = self.lanes.priority(ctx.lane)
         if kind == "count_tokens":
             ctx.adapter = None  # the base model's tokenizer counts an adapter's tokens too: any replica answers
         elif ctx.adapter is not None:
@@ -138,6 +144,8 @@ class Exchange:
             ctx.route = RouteRequest()
             return
         await p.affinity.pin(ctx, p.fleet)
+        if ctx.lane == FLEX:  # 429 now when its tier's engines are saturated, never a timeout later
+            p.lanes.admit_flex(ctx.tier)
         await p.accounting.admit(ctx)
         self.billed = True
         typed = self.intake.typed

@@ -20,7 +20,7 @@ from .apis import APIS
 from .config import RequestLimits
 from .context import RequestContext
 from .errors import InvalidRequest, ModelNotFound, param_from_msgspec
-from .tiers import resolve_tier
+from .tiers import FAST, FLEX, resolve_tier
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -94,6 +94,8 @@ def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKe
         key=key,
         max_tokens=typed.output_limit, typed=typed, adapter=adapter,
     )
+    if tier != FAST and typed.requested_service_tier == FLEX:
+        ctx.lane = ctx.priced_tier = FLEX  # served by its tier behind interactive work, at the flex price
     return Intake(raw, typed, ctx)
 
 
@@ -103,9 +105,14 @@ def upstream_payload(intake: Intake, body: bytes) -> bytes:
     that did not ask for it)."""
     raw, typed, ctx = intake.raw, intake.typed, intake.ctx
     model = ctx.adapter.engine_name if ctx.adapter is not None else ctx.model
-    if model == typed.model and typed.shows_usage:
+    if model == typed.model and typed.shows_usage and not ctx.priority and "priority" not in raw:
         return body  # nothing to change: forward the client's bytes as they came
     raw["model"] = model
+    # vLLM's --scheduling-policy priority (lower first): the lane's, never one the client chose.
+    if ctx.priority:
+        raw["priority"] = ctx.priority
+    else:
+        raw.pop("priority", None)
     if typed.stream and not typed.shows_usage:
         # Always ask the engine for usage: every streamed token is billed, even if the client
         # did not ask to see the usage event.

@@ -96,7 +96,7 @@ class Proxy:
             await exchange.admit(client[0] if client else None)
             if exchange.ctx.stream:
                 return await self._stream(exchange)
-            return await self._unary(exchange)
+            return await self.unary(exchange)
         except BaseException:
             exchange.end("error")  # no-op once the answer ended it
             raise
@@ -161,7 +161,8 @@ class Proxy:
             endpoint = self._endpoints[text] = Endpoint.parse(text)
         return endpoint
 
-    async def _unary(self, exchange: Exchange) -> Response:
+    async def unary(self, exchange: Exchange) -> Response:
+        """An admitted request answered whole (also how the batch worker sends its lines)."""
         ctx, payload = exchange.ctx, exchange.payload()
         for attempt in range(2):
             replica, resp = await self._open(exchange, payload)

@@ -13,6 +13,9 @@ Example TOML:
     output = "2.00"
     [pricing.replicas.standard-0]
     hourly_usd = "1.20"
+    [pricing.lanes]                  # batch and flex: a share of each model's standard price
+    batch = "0.5"
+    flex = "0.5"
     [pricing.adapters.support]       # a LoRA adapter: its base model's prices, plus 10 %
     surcharge = "0.10"
     [pricing.ledger]
@@ -53,6 +56,14 @@ def _default_models() -> dict[str, dict[str, TierPrice]]:
     standard = Decimal("0.50")
     return {"default": {"standard": TierPrice(input=standard),
                         "fast": TierPrice(input=standard * FAST_TIER_MULTIPLIER)}}
+
+
+class LanePrices(msgspec.Struct, forbid_unknown_fields=True):
+    """The batch and flex lanes' price as a share of the standard tier's (input, cached input and
+    output alike), for every model without its own `batch` or `flex` entry in `models`."""
+
+    batch: Decimal = Decimal("0.5")
+    flex: Decimal = Decimal("0.5")
 
 
 class ReplicaCost(msgspec.Struct, forbid_unknown_fields=True):
@@ -110,6 +121,7 @@ class PricingConfig(msgspec.Struct, forbid_unknown_fields=True):
     # of that class pay the standard price. 0 = always the fast price.
     fast_min_speedup: float = 1.5
     fast_min_samples: int = 20
+    lanes: LanePrices = msgspec.field(default_factory=LanePrices)
     replicas: dict[str, ReplicaCost] = msgspec.field(default_factory=dict)
     # adapters[name]; the "default" entry prices adapters not listed; none: the base model's prices.
     adapters: dict[str, AdapterPrice] = msgspec.field(default_factory=dict)

@@ -9,6 +9,10 @@ from .cost import Cost, Usage
 from .errors import InvalidPrice
 
 DEFAULT_MODEL = "default"
+STANDARD = "standard"
+# The deadline-tolerant lanes: priced off the standard tier unless a model lists them itself.
+BATCH = "batch"
+FLEX = "flex"
 # Per-1M prices with at most 12 significant digits keep tokens*price (tokens < 1e15) inside the
 # default 28-digit Decimal context, so every cost is exact and costs add up exactly.
 MAX_PRICE_DIGITS = 12
@@ -38,6 +42,14 @@ class PriceBook:
         for model, tiers in config.models.items():
             for tier, price in tiers.items():
                 self._prices[(model, tier)] = resolve(price, f"pricing.models.{model}.{tier}")
+        for (model, tier), price in list(self._prices.items()):
+            if tier != STANDARD:
+                continue
+            for lane, share in ((BATCH, config.lanes.batch), (FLEX, config.lanes.flex)):
+                what = f"pricing.lanes.{lane}"
+                _check(share, what)
+                self._prices.setdefault((model, lane), ResolvedTierPrice(
+                    *(_check(p * share, what) for p in (price.input, price.cached_input, price.output))))
         self._default_tiers = {t for (m, t) in self._prices if m == DEFAULT_MODEL}
         # (model, tier, adapter) -> price, resolved here so that a bad surcharge fails at start-up.
         self._adapters = config.adapters

@@ -40,6 +40,7 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     ttft_ms: float | None = None
     latency_ms: float | None = None
     status: Status = "ok"
+    batch_id: str = ""                # the batch job a line of which this request was ("" = none)
 
     @classmethod
     def priced(cls, *, request_id: str, usage: Usage, cost: Cost, ts: float | None = None,

@@ -28,7 +28,7 @@ DIMENSIONS: dict[str, Callable[[LedgerRecord], str | None]] = {
     "requested_tier": lambda r: r.requested_tier or r.tier, "replica": lambda r: r.replica,
     "gateway": lambda r: r.gateway,
     "weight_version": lambda r: r.weight_version, "adapter": lambda r: r.adapter, "session_id": lambda r: r.session_id,
-    "status": lambda r: r.status, "route": lambda r: r.route, "day": _day,
+    "status": lambda r: r.status, "route": lambda r: r.route, "batch_id": lambda r: r.batch_id, "day": _day,
 }
 
 

@@ -334,6 +334,8 @@ _COMMON_ARGS = [
     "--gpu-memory-utilization", "0.3",
     "--max-model-len", "4096",
     "--max-num-seqs", "64",
+    # Requests carry a `priority` (lower first): interactive 0, flex and batch lanes behind them.
+    "--scheduling-policy", "priority",
     # The trainer bridge's weight-transfer backend (trainer_bridge.plugin): hot weight pushes.
     "--weight-transfer-config", '{"backend":"yieldgate"}',
 ]

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from yieldgate.pricing.config import ResolvedTierPrice
 from yieldgate.pricing import (FleetCostMeter, InvalidPrice, InvalidUsage, PriceBook, PricingConfig, TierPrice,
                      Usage, WIRE_ENCODER)
 
@@ -42,7 +43,11 @@ def test_toml_config_and_default_fallback():
     # demo has no fast entry: the default model's fast price applies
     assert book.price("demo", "fast").output == Decimal("4.00")
     assert book.price("other-model", "standard").input == Decimal("0.50")
-    assert book.tiers("demo") == ["fast", "standard"]
+    # batch and flex: half of each model's standard price unless the model lists them (pricing.lanes)
+    assert book.tiers("demo") == ["batch", "fast", "flex", "standard"]
+    assert book.price("demo", "batch") == book.price("demo", "flex") == ResolvedTierPrice(
+        *(p / 2 for p in (book.price("demo", "standard").input, book.price("demo", "standard").cached_input,
+                          book.price("demo", "standard").output)))
     config = msgspec.toml.decode(TOML, type=PricingConfig)
     assert (config.ledger.store, config.limits.on_redis_error) == ("redis", "closed")
     with pytest.raises(msgspec.ValidationError):
