@@ -26,7 +26,7 @@ from yieldgate.pricing import ApiKey, KeyNotFound, LedgerError, LedgerRecord, St
 from .batch_api import BATCH_ENDPOINTS, line_error
 from .batch_store import BatchRow, BatchStore, BatchStoreUnavailable, Claimed, new_id
 from .config import LaneConfig
-from .errors import APIError, QuotaExceeded, RateLimited, ServiceUnavailable, UpstreamError, error_body
+from .errors import APIError, QuotaExceeded, ServiceUnavailable, TooManyRequests, UpstreamError, error_body
 from .exchange import Pipeline
 from .proxy import Proxy
 from .tiers import BATCH, STANDARD
@@ -210,7 +210,7 @@ class BatchWorker:
             return response.status_code, bytes(response.body)
         except QuotaExceeded as exc:  # over budget: this line fails, the job goes on
             return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
-        except RateLimited as exc:  # the key's RPM/TPM: every line waits, none fails
+        except TooManyRequests as exc:  # the key's RPM/TPM: every line waits, none fails
             self._backoff_until = time.monotonic() + float(exc.headers.get("retry-after", "1"))
             raise _Later(counts=False) from None
         except _LATER as exc:

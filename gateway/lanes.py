@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 
-from yieldgate.serving.fleet import Fleet, Replica
+from yieldgate.serving import Fleet, Replica
 
 from .config import LaneConfig
-from .errors import RateLimited
+from .errors import TooManyRequests
 from .tiers import BATCH, FLEX
 
 
-class FlexUnavailable(RateLimited):
+class FlexUnavailable(TooManyRequests):
     """OpenAI's answer when flex capacity is short: 429, try again later."""
 
     code = "resource_unavailable"

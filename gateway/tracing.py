@@ -21,7 +21,9 @@ from .config import TracingConfig
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from .context import RequestContext, Usage
+    from yieldgate.pricing import Usage
+
+    from .context import RequestContext
 
 # gen_ai.operation.name per API (OpenTelemetry GenAI semantic conventions).
 OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat", "messages": "chat",
