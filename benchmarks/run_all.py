@@ -515,6 +515,21 @@ def chaos_redis() -> str:
             f"{c['ledger_matches_clients']:,} ledger rows match the clients' costs (asserted)")
 
 
+def batch_lane() -> str:
+    d = load("batch_lane")
+    sm, x = d["summary"], (lambda v: f"{v:.2f}×")  # noqa: E731
+
+    def ratio(target: str) -> str:
+        r = sm[f"{target}_over_alone_ttft_p99"]
+        return median_range([r["min"], r["median"], r["max"]], x)
+
+    lanes = sm["lanes_over_alone_ttft_p99"]["median"]
+    return (f"interactive TTFT p99 with a batch job running / alone: lanes {bold(ratio('lanes'), lanes <= 1.5)}, "
+            f"no priority or admission {ratio('naive')}; batch lines/s meanwhile "
+            f"{sm['batch_lines_per_s']['lanes']['median']:.1f} vs {sm['batch_lines_per_s']['naive']['median']:.1f}; "
+            f"{failed(sm['failed'])} ({sm['lanes_over_alone_ttft_p99']['n']} interleaved runs, one engine)")
+
+
 def ledger_postgres() -> str:
     d = load("ledger_postgres")
     runs = d["runs"]
@@ -674,6 +689,9 @@ BENCHMARKS = [
               chaos_redis, files=["chaos_redis"], **suite("test_chaos_gateway.py")),
     Benchmark("chaos_gateway", "gateway SIGKILLed and restarted", "0 lost", "`scripts/dev test -k chaos_gateway`",
               chaos_gateway, files=["chaos_gateway"], **suite("test_chaos_gateway.py")),
+    Benchmark("batch_lane", "batch lane behind interactive traffic (llm-d Batch Gateway: 14× TTFT p99)",
+              "≤ 1.5×; 0 failed", "`python benchmarks/batch_lane.py` ([lanes](docs/batch.md))", batch_lane,
+              run=["benchmarks/batch_lane.py"], files=["batch_lane"]),
     Benchmark("ledger_postgres", "ledger into one PostgreSQL (LiteLLM: 6.3 KB a spend row)",
               "≥ 10,000 rows/s; ≤ 400 B a row; 0 lost, 0 doubled", "`python benchmarks/ledger_postgres.py`",
               ledger_postgres, run=["benchmarks/ledger_postgres.py"], files=["ledger_postgres"]),
