@@ -22,7 +22,7 @@ from yieldgate.serving.fleet import Fleet, Replica
 from yieldgate.serving.supervisor import Supervisor
 
 from .accounting import Accounting
-from .adapter_canary import build_adapter_canary_router
+from .adapter_canary import CanaryGate, build_adapter_canary_router
 from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
@@ -85,6 +85,7 @@ class Gateway:
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self.accounting)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
+        self.canary_gate = CanaryGate(self.adapters, self.accounting, config.canary)
         self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
         self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
@@ -100,6 +101,7 @@ class Gateway:
         await self.dashboard.start()
         await self.routing.start()
         await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
+        await self.canary_gate.start()
         self.pipeline.start()
         await self.proxy.start()
         self.weights.start()
@@ -107,7 +109,8 @@ class Gateway:
     async def close(self) -> None:
         """Each part in turn, the ledger among the first (its journal flushed to the store), each
         bounded in time (gateway/drain.py close_within): one part that hangs stops nothing else."""
-        for name, part in (("weights", self.weights), ("proxy", self.proxy), ("accounting", self.accounting),
+        for name, part in (("weights", self.weights), ("proxy", self.proxy), ("canary gate", self.canary_gate),
+                           ("accounting", self.accounting),
                            ("adapters", self.adapters), ("routing", self.routing),
                            ("dashboard", self.dashboard), ("fleet", self.fleet)):
             await close_within(name, part.close())
@@ -239,7 +242,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_intake_router(gw.weights))
     app.include_router(build_adapters_router(gw.adapters, admin))
     app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
-    app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))
+    app.include_router(build_adapter_canary_router(gw.adapters, gw.canary_gate, admin))
     app.include_router(build_feedback_router(gw.accounting, api_key))
     app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
     inference = [Depends(api_key)]

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import msgspec
 
 from yieldgate.pricing import PricingConfig
+from yieldgate.pricing.release_gate import CanaryGateConfig
 from yieldgate.serving.config import FleetConfig, home_dir  # noqa: F401  (re-exported)
 
 ENV_PREFIX = "YIELDGATE_"
@@ -106,6 +107,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
+    canary: CanaryGateConfig = msgspec.field(default_factory=CanaryGateConfig)  # adapter canaries judged on a timer
 
 
 class ConfigError(ValueError):
