@@ -10,6 +10,7 @@ never trains on it (it learns from the model's own graded replies, trainer_bridg
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import msgspec
 
 SPLITS = ("train", "eval")
-HELD_OUT = 200   # eval prompts no train task may repeat
 
 
 class Task(msgspec.Struct, frozen=True):
@@ -140,7 +140,7 @@ _UNITS = [("kilometers", "meters", 1000), ("meters", "centimeters", 100), ("kilo
 
 def _conversion(rng: random.Random) -> tuple[str, str]:
     src, dst, factor = rng.choice(_UNITS)
-    value = rng.randint(2, 250)
+    value = rng.randint(2, 99)
     return f"Convert {value} {src} to {dst}. Answer with the number only.", str(value * factor)
 
 
@@ -182,12 +182,41 @@ def _tool_call(rng: random.Random) -> tuple[str, str]:
     return _TOOLS + ask, json.dumps(call)
 
 
+_CAPITALS = {
+    "France": "Paris", "Spain": "Madrid", "Italy": "Rome", "Germany": "Berlin", "Japan": "Tokyo",
+    "Egypt": "Cairo", "Peru": "Lima", "Norway": "Oslo", "Ireland": "Dublin", "Austria": "Vienna",
+    "Greece": "Athens", "Portugal": "Lisbon", "Russia": "Moscow", "China": "Beijing", "Kenya": "Nairobi",
+    "Canada": "Ottawa", "Australia": "Canberra", "Sweden": "Stockholm", "Poland": "Warsaw",
+    "Finland": "Helsinki", "Denmark": "Copenhagen", "Hungary": "Budapest", "Thailand": "Bangkok",
+    "Argentina": "Buenos Aires", "Mexico": "Mexico City", "India": "New Delhi", "Turkey": "Ankara",
+    "Cuba": "Havana", "Chile": "Santiago", "Belgium": "Brussels", "the Netherlands": "Amsterdam",
+    "South Korea": "Seoul", "Indonesia": "Jakarta", "Vietnam": "Hanoi", "Iran": "Tehran",
+    "Colombia": "Bogota", "Venezuela": "Caracas", "Czechia": "Prague", "Switzerland": "Bern",
+    "Brazil": "Brasilia", "Morocco": "Rabat", "Nigeria": "Abuja", "Ukraine": "Kyiv", "Romania": "Bucharest",
+}
+_CAPITAL_ASKS = ["What is the capital of {}? Answer with the city's name only.",
+                 "Name the capital city of {}. Reply with the name only.",
+                 "Which city is the capital of {}? One or two words, please.",
+                 "{}: what is its capital? Just the city."]
+
+
+def _capital(rng: random.Random) -> tuple[str, str]:
+    country = rng.choice(sorted(_CAPITALS))
+    return rng.choice(_CAPITAL_ASKS).format(country), _CAPITALS[country]
+
+
+def check_mentions(expected: str, reply: str) -> bool:
+    """The expected words appear in the reply (case-blind)."""
+    return expected.lower() in reply.lower()
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("arithmetic", _addition, check_number, 16),
     Family("arithmetic_words", _addition_words, check_number, 16),
     Family("units", _conversion, check_number, 16),
     Family("json_extract", _extraction, check_fields, 48),
     Family("tool_call", _tool_call, check_tool_call, 48),
+    Family("capitals", _capital, check_mentions, 16),     # one the base model mostly solves
 )}
 
 
@@ -198,17 +227,18 @@ def family(name: str) -> Family:
         raise ValueError(f"unknown task family {name!r}; choose from {sorted(FAMILIES)}") from None
 
 
-def task_split(name: str, split: str, n: int, seed: int = 0) -> list[Task]:
-    """`n` tasks of family `name`, split "train" or "eval". The eval split is drawn first from its
-    own generator; train tasks whose prompt is among the first 200 eval prompts are skipped, so the
-    held-out split stays held out for any n up to that."""
+def split_of(prompt: str) -> str:
+    """The split a prompt belongs to, from its hash: one in five is held out. Train and eval are
+    disjoint by construction, for any number of tasks drawn."""
+    return "eval" if int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") % 5 == 0 else "train"
+
+
+def task_split(name: str, split: str, n: int, seed: int = 0, exact: bool = True) -> list[Task]:
+    """`n` distinct tasks of family `name` from split "train" or "eval", the same for the same seed
+    (`exact=False`: at most `n`, for a pool of tasks to sample from)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     fam = family(name)
-    held_out: set[str] = set()
-    if split == "train":
-        rng = random.Random(f"{name}:eval:{seed}")
-        held_out = {fam.make(rng)[0] for _ in range(HELD_OUT)}
     rng = random.Random(f"{name}:{split}:{seed}")
     out: list[Task] = []
     seen: set[str] = set()
@@ -216,9 +246,11 @@ def task_split(name: str, split: str, n: int, seed: int = 0) -> list[Task]:
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
+            if not exact:
+                break
             raise ValueError(f"family {name!r} has fewer than {n} distinct {split} prompts")
         prompt, expected = fam.make(rng)
-        if prompt in held_out or prompt in seen:
+        if prompt in seen or split_of(prompt) != split:
             continue
         seen.add(prompt)
         out.append(Task(name, f"{name}-{split}-{len(out)}", prompt, expected, fam.max_tokens))
