@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  benchmarks/harness.py
@@ -83,26 +84,20 @@ def one_run(i: int, args, gateway: str, admin: str, model_dir: Path, home: Path)
         rounds=args.rounds, seed=i, samples_per_round=args.samples, eval_tasks=args.eval_tasks, canary=args.canary,
         decision_timeout_s=args.decision_timeout, state_path=str(home / f"{adapter}.json"))
     started = time.monotonic()
-    rows = [harness_row(r) for r in PosttrainLoop(settings).run()]
-    print(format_table(PosttrainLoop(settings).state.rounds))
+    done = PosttrainLoop(settings).run()
+    print(format_table(done))
+    rows = [msgspec.to_builtins(r) for r in done]
     for r in rows:
         r["eval_interval90"] = interval(r["eval_solved"], r["eval_tasks"])
         r["usd_per_solved_interval90"] = usd_interval(r)
-    base, best = rows[0], max(rows[1:] or rows[:1], key=lambda r: (r["serving"] != "v0", r["round"]))
-    final = next(r for r in reversed(rows))
+    base, final = rows[0], rows[-1]
     return {"adapter": adapter, "rounds": rows, "base_success": base["eval_success"],
             "final_success": final["eval_success"], "base_usd_per_solved": base["usd_per_solved"],
             "final_usd_per_solved": final["usd_per_solved"], "final_serving": final["serving"],
             "promotions": sum(r["decision"] == "promote" for r in rows),
             "rollbacks": sum(r["decision"] == "rollback" for r in rows),
             "round_minutes": [round(r["seconds"] / 60, 2) for r in rows[1:]],
-            "best_round": best["round"], "minutes": round((time.monotonic() - started) / 60, 2)}
-
-
-def harness_row(r) -> dict:
-    import msgspec
-
-    return msgspec.to_builtins(r)
+            "minutes": round((time.monotonic() - started) / 60, 2)}
 
 
 def goals(runs: list[dict]) -> dict:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -58,3 +60,21 @@ def stop_engine(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_engine(model_dir: Path, host: str, port: int, log_path: Path, *args: str, served_name: str,
+                   reuse_env: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A module's own engine (start_engine), healthy, stopped at the end -> its URL; the URL in the
+    environment variable `reuse_env`, if set, instead (an engine started with the same flags: dev loop)."""
+    reuse = os.environ.get(reuse_env)
+    if reuse:
+        yield reuse.rstrip("/")
+        return
+    proc = start_engine(model_dir, port, log_path, *args, served_name=served_name, host=host, env=env)
+    url = f"http://{host}:{port}"
+    try:
+        wait_healthy(url, proc, log_path, timeout_s=900)
+        yield url
+    finally:
+        stop_engine(proc)

@@ -21,7 +21,7 @@ import torch
 from openai import OpenAI
 from safetensors.torch import load_file
 
-from engines import start_engine, stop_engine, wait_healthy
+from engines import running_engine
 from yieldgate.pricing.release_gate import CanaryGateConfig, OutcomeRule
 from yieldgate.serving.peft import random_adapter
 from yieldgate.serving.smollm2 import ensure_smollm2
@@ -32,7 +32,7 @@ from yieldgate.trainer_bridge.tasks import check, task_split
 PORT_BASE = int(os.environ.get("YIELDGATE_TEST_PORT_BASE", "18000"))
 ENGINE_HOST, ENGINE_PORT = "127.0.2.4", PORT_BASE + 170
 ADMIN = "pt-admin-" + secrets.token_hex(6)
-MODEL = "smollm2"
+MODEL = "smollm2-posttrain"   # a registry of its own in Redis (adapters are keyed by the model name)
 EVALUATE_S = 3.0
 SHARE = 0.5
 RULE = OutcomeRule(confidence=0.999, min_graded=10, max_graded=200)
@@ -45,20 +45,11 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def lora_engine(smol_dir: Path, tmp_path_factory) -> str:
-    reuse = os.environ.get("YIELDGATE_TEST_SMOLLM2_LORA_URL")
-    if reuse:
-        yield reuse.rstrip("/")
-        return
     log = tmp_path_factory.mktemp("posttrain-engine") / "engine.log"
-    proc = start_engine(smol_dir, ENGINE_PORT, log, "--enable-prefix-caching", "--max-model-len", "2048",
-                        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-                        served_name=MODEL, host=ENGINE_HOST, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    url = f"http://{ENGINE_HOST}:{ENGINE_PORT}"
-    try:
-        wait_healthy(url, proc, log, timeout_s=900)
+    with running_engine(smol_dir, ENGINE_HOST, ENGINE_PORT, log, "--enable-prefix-caching", "--max-model-len", "2048",
+                        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", served_name=MODEL,
+                        reuse_env="YIELDGATE_TEST_SMOLLM2_LORA_URL", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
         yield url
-    finally:
-        stop_engine(proc)
 
 
 @pytest.fixture(scope="module")

@@ -155,7 +155,7 @@ class PosttrainLoop:
     def round(self, n: int) -> None:
         started = time.monotonic()
         version = f"r{n}-{int(time.time())}"
-        self.log(f"round {n}: training on {min(len(self.state.successes), self.s.max_examples)} graded successes")
+        self.log(f"round {n}: training on the graded successes so far")
         cpu_s, examples = self.train_and_push(version)
         stop = lambda: (self.adapter_doc() or {}).get("canary") is None  # noqa: E731
         deadline = time.monotonic() + self.s.decision_timeout_s
