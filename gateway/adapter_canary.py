@@ -12,8 +12,6 @@ success (pricing/release_gate.py) promotes the canary or rolls it back (docs/ada
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -31,6 +29,7 @@ from .accounting import Accounting
 from .adapters import adapter_api_error, adapter_doc
 from .errors import APIError
 from .http import decode_body, json_response
+from .ticker import Ticker
 
 log = logging.getLogger("yieldgate.canary")
 DECISIONS_KEPT = 200
@@ -42,28 +41,24 @@ class CanaryGate:
     def __init__(self, adapters: Adapters, accounting: Accounting, config: CanaryGateConfig):
         self.adapters, self.accounting, self.config = adapters, accounting, config
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)  # promote/rollback, newest last
-        self._task: asyncio.Task[None] | None = None
+        self.ticker = Ticker("yieldgate-canary-gate", config.evaluate_s, self.evaluate_all)
 
     async def start(self) -> None:
         if self.config.evaluate_s > 0 and self.accounting.ledger is not None:
-            self._task = asyncio.create_task(self._loop(), name="yieldgate-canary-gate")
+            self.ticker.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.ticker.close()
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.evaluate_s)
-            for name in [n for n, a in self.adapters.adapters.items() if a.canary is not None]:
-                try:
-                    await self.evaluate(name, self.config.rule, by="timer")
-                except (AdapterError, APIError) as exc:  # another gateway or an admin decided first
-                    log.info("canary of %s: %s", name, exc)
-                except Exception:  # the next tick tries again; the gate must outlive one bad read
-                    log.exception("canary of %s: evaluation failed", name)
+    async def evaluate_all(self) -> None:
+        """The timer's tick: every canary, by the configured rule."""
+        for name in [n for n, a in self.adapters.adapters.items() if a.canary is not None]:
+            try:
+                await self.evaluate(name, self.config.rule, by="timer")
+            except (AdapterError, APIError) as exc:  # another gateway or an admin decided first
+                log.info("canary of %s: %s", name, exc)
+            except Exception:  # the next tick tries again; the gate must outlive one bad read
+                log.exception("canary of %s: evaluation failed", name)
 
     async def evaluate(self, name: str, rule: OutcomeRule, by: str) -> dict[str, Any]:
         """Apply `rule` to the canary of adapter `name` now; promote or roll back as it says."""
