@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -168,6 +169,7 @@ def main() -> None:
                                       replicas=[ReplicaConfig(name="smol-0", tier="standard", url=url)]),
                     canary=gate)
     os.environ["YIELDGATE_HOME"] = str(work)
+    signal.signal(signal.SIGTERM, interrupted)  # a SIGTERM stops the gateway and engine it started
     gw = GatewayProcess(config, work, port=args.port + 1)
     runs = []
     try:
@@ -179,6 +181,10 @@ def main() -> None:
         if engine is not None:
             stop_process_group(engine)
     plot(runs, args.out.with_suffix(".png"))
+
+
+def interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def summary(runs: list[dict]) -> dict:
