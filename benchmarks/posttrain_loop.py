@@ -38,16 +38,21 @@ from yieldgate.serving.smollm2 import ensure_smollm2  # noqa: E402
 from yieldgate.trainer_bridge.posttrain import PosttrainLoop, PosttrainSettings, format_table  # noqa: E402
 
 Z90 = 1.6449  # two-sided 90%
+# The launcher's polling for the engine's processes (serving/engine_polling.py), and one compute
+# thread: on a shared, oversubscribed host two OpenMP threads wait for each other at every barrier.
+POLLING = {"YIELDGATE_ENGINE_POLL_PAUSE_US": "50", "YIELDGATE_ENGINE_POLL_SPIN_US": "300", "OMP_NUM_THREADS": "1"}
 HOST = "127.0.11.5"
+MODEL = "smollm2-posttrain"   # the served name: an adapter registry of its own in Redis
 MEASURES = ["trainer_bridge/posttrain.py", "trainer_bridge/tasks.py", "pricing/release_gate.py",
             "gateway/adapter_canary.py", "benchmarks/posttrain_loop.py"]
 
 
 def start_engine(model_dir: Path, port: int, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_HOST_IP="127.0.0.1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
+               VLLM_HOST_IP="127.0.0.1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+               **POLLING)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "smollm2", "--host", HOST, "--port", str(port), "--gpu-memory-utilization", "0.3",
+           "--served-model-name", MODEL, "--host", HOST, "--port", str(port), "--gpu-memory-utilization", "0.3",
            "--block-size", "32", "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
            "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -165,7 +170,7 @@ def main() -> None:
     gate.rule.min_graded = args.min_graded
     config = Config(server=ServerConfig(host=HOST, admin_token=admin, redis_url="redis://127.0.0.1:6379/1",
                                         data_dir=str(work / "data")),
-                    fleet=FleetConfig(model="smollm2", model_path=str(model_dir), health_interval_s=0.5,
+                    fleet=FleetConfig(model=MODEL, model_path=str(model_dir), health_interval_s=0.5,
                                       replicas=[ReplicaConfig(name="smol-0", tier="standard", url=url)]),
                     canary=gate)
     os.environ["YIELDGATE_HOME"] = str(work)

@@ -35,6 +35,9 @@ ADMIN = "pt-admin-" + secrets.token_hex(6)
 MODEL = "smollm2-posttrain"   # a registry of its own in Redis (adapters are keyed by the model name)
 EVALUATE_S = 3.0
 SHARE = 0.5
+# The launcher's polling (serving/engine_polling.py) and one OpenMP thread: on a shared host two
+# threads of the engine's worker wait for each other at every barrier.
+POLLING = {"YIELDGATE_ENGINE_POLL_PAUSE_US": "50", "YIELDGATE_ENGINE_POLL_SPIN_US": "300", "OMP_NUM_THREADS": "1"}
 RULE = OutcomeRule(confidence=0.999, min_graded=10, max_graded=200)
 
 
@@ -48,7 +51,7 @@ def lora_engine(smol_dir: Path, tmp_path_factory) -> str:
     log = tmp_path_factory.mktemp("posttrain-engine") / "engine.log"
     with running_engine(smol_dir, ENGINE_HOST, ENGINE_PORT, log, "--enable-prefix-caching", "--max-model-len", "2048",
                         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", served_name=MODEL,
-                        reuse_env="YIELDGATE_TEST_SMOLLM2_LORA_URL", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
+                        reuse_env="YIELDGATE_TEST_SMOLLM2_LORA_URL", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **POLLING}) as url:
         yield url
 
 
