@@ -82,7 +82,7 @@ def _bounded_verdict(stable: SuccessRow, candidate: SuccessRow, rule: OutcomeRul
     z = NormalDist().inv_cdf(rule.confidence)
     cs, cn, ss, sn = candidate.successes, candidate.tasks_graded, stable.successes, stable.tasks_graded
     low, high = rate_difference_bounds((cs, cn), (ss, sn), z)
-    pct = f"{rule.confidence:.0%}"
+    pct = f"{rule.confidence:.1%}"
     rates = (f"success {cs}/{cn} vs {ss}/{sn}, difference {cs / cn - ss / sn:+.3f} "
              f"({pct} one-sided bounds {low:+.3f} .. {high:+.3f})")
     if high < 0:
