@@ -15,6 +15,7 @@ the base is above 30%) and $ per solved <= 0.5x the base's, both at the 90% boun
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("--engine", default="", help="reuse a running SmolLM2 engine with LoRA (rank 8, 2 slots)")
     ap.add_argument("--port", type=int, default=20600)
     ap.add_argument("--out", type=Path, default=harness.RESULTS / "posttrain_loop.json")
+    ap.add_argument("--append", action="store_true", help="keep the runs already in --out and add these")
     args = ap.parse_args()
     rec = harness.Recording("posttrain_loop", MEASURES, out=args.out)
     model_dir = ensure_smollm2()
@@ -176,9 +178,10 @@ def main() -> None:
     os.environ["YIELDGATE_HOME"] = str(work)
     signal.signal(signal.SIGTERM, interrupted)  # a SIGTERM stops the gateway and engine it started
     gw = GatewayProcess(config, work, port=args.port + 1)
-    runs = []
+    runs = json.loads(args.out.read_text())["runs"] if args.append and args.out.exists() else []
+    first = len(runs)
     try:
-        for i in range(args.runs):
+        for i in range(first, first + args.runs):
             runs.append(one_run(i, args, gw.url, admin, model_dir, work))
             rec.write(runs=runs, summary=summary(runs), setup=setup(args), goals=goals(runs))
     finally:
