@@ -541,6 +541,29 @@ def ledger_postgres() -> str:
             f"{failed(lost, 'lost')}, {failed(doubled, 'doubled')} ({len(runs)} runs)")
 
 
+def posttrain_loop() -> str:
+    d = load("posttrain_loop")
+    runs, met = d["runs"], d["goals"]["per_run"]
+
+    def per(v: float | None) -> str:
+        return "–" if v is None else f"${v:.2g}"
+
+    def rate(r: dict) -> str:
+        low, high = r["eval_interval90"]
+        return f"{pct(r['eval_success'], 0)} [{pct(low, 0)}–{pct(high, 0)}]"
+
+    shown = []
+    for run, goal in zip(runs, met):
+        base, final = run["rounds"][0], run["rounds"][-1]
+        minutes = span(run["round_minutes"], lambda v: f"{v:.0f}") if run["round_minutes"] else "–"
+        shown.append(f"{bold(rate(base) + ' → ' + rate(final), goal['success_goal'])} held-out, "
+                     f"{bold(per(base['usd_per_solved']) + ' → ' + per(final['usd_per_solved']) + ' per solved', goal['usd_goal'])}, "
+                     f"{len(run['rounds']) - 1} rounds ({run['promotions']} promoted, {run['rollbacks']} rolled back), "
+                     f"{bold('rounds ' + minutes + ' min', goal['round_goal'])}")
+    tasks = runs[0]["rounds"][0]["eval_tasks"]
+    return "; ".join(shown) + f" ({len(runs)} run{'s' if len(runs) != 1 else ''}, {tasks} held-out tasks)"
+
+
 def chaos_gateway() -> str:
     c = counts("chaos_gateway")
     return f"{of(c['in_ledger_once'], c['answered'])} acknowledged requests in the ledger, once (asserted)"
@@ -695,6 +718,10 @@ BENCHMARKS = [
     Benchmark("ledger_postgres", "ledger into one PostgreSQL (LiteLLM: 6.3 KB a spend row)",
               "≥ 10,000 rows/s; ≤ 400 B a row; 0 lost, 0 doubled", "`python benchmarks/ledger_postgres.py`",
               ledger_postgres, run=["benchmarks/ledger_postgres.py"], files=["ledger_postgres"]),
+    Benchmark("posttrain_loop", "post-training loop on graded traffic, SmolLM2 (held-out success, 90% interval; $ per solved task)",
+              "≥ 2× the base's success (+30 points above 30%) and ≤ 0.5× its $ per solved, at the 90% bounds, in ≤ 3 rounds; a round ≤ 10 min",
+              "`python benchmarks/posttrain_loop.py`", posttrain_loop, run=["benchmarks/posttrain_loop.py"],
+              files=["posttrain_loop"]),
 ]
 
 

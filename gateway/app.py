@@ -19,7 +19,7 @@ from starlette.responses import Response
 from yieldgate.serving import Adapters, Fleet, Replica, Supervisor, open_store
 
 from .accounting import Accounting
-from .adapter_canary import build_adapter_canary_router
+from .adapter_canary import CanaryGate, build_adapter_canary_router
 from .adapter_push import build_adapter_push_router
 from .adapters import adapter_cards, build_adapters_router
 from .admin import build_admin_router, build_feedback_router
@@ -87,6 +87,7 @@ class Gateway:
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self.accounting)
         self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
+        self.canary_gate = CanaryGate(self.adapters, self.accounting, config.canary)
         self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
         if config.tracing.endpoint:
             self.pipeline.tracing = Tracing(config.tracing, self.instance_id)
@@ -111,6 +112,7 @@ class Gateway:
         await self.dashboard.start()
         await self.routing.start()
         await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
+        await self.canary_gate.start()
         self.pipeline.start()
         await self.proxy.start()
         self.weights.start()
@@ -130,7 +132,8 @@ class Gateway:
             await close_within("batch worker", self.batch_worker.close())
         if self.batch_store is not None:
             await close_within("batch store", self.batch_store.close())
-        for name, part in (("weights", self.weights), ("proxy", self.proxy), ("accounting", self.accounting),
+        for name, part in (("weights", self.weights), ("proxy", self.proxy), ("canary gate", self.canary_gate),
+                           ("accounting", self.accounting),
                            ("adapters", self.adapters), ("routing", self.routing),
                            ("dashboard", self.dashboard), ("fleet", self.fleet)):
             await close_within(name, part.close())
@@ -267,7 +270,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_intake_router(gw.weights.pushes))
     app.include_router(build_adapters_router(gw.adapters, admin))
     app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
-    app.include_router(build_adapter_canary_router(gw.adapters, gw.accounting, admin))
+    app.include_router(build_adapter_canary_router(gw.adapters, gw.canary_gate, admin))
     app.include_router(build_feedback_router(gw.accounting, api_key))
     if gw.batch_store is not None:
         app.include_router(build_batch_router(gw.batch_store, gw.accounting, config.lanes.max_file_bytes,

@@ -141,6 +141,41 @@ def model_make(
 
 
 @app.command()
+def posttrain(
+    gateway: str = typer.Option("http://127.0.0.1:8000", help="The gateway's base URL."),
+    token: str = typer.Option(..., envvar="YIELDGATE_ADMIN_TOKEN", help="The gateway's admin token."),
+    adapter: str = typer.Option("posttrain", help="The adapter the loop trains and serves."),
+    families: str = typer.Option("arithmetic", help="Task families, comma-separated (trainer_bridge/tasks.py)."),
+    rounds: int = typer.Option(3, help="Rounds after round 0 (the base model)."),
+    samples: int = typer.Option(96, help="Graded requests in round 0, and at least per round's canary."),
+    eval_tasks: int = typer.Option(40, help="Held-out tasks per family, graded greedily after each round."),
+    canary: float = typer.Option(0.5, help="The candidate's share of the adapter's traffic while it is judged."),
+    cpu_usd_per_hour: float = typer.Option(0.10, help="What an hour of the trainer's CPU costs."),
+    model: Optional[str] = typer.Option(None, help="The served model's directory (default: smollm2)."),
+    api_key: str = typer.Option("none", envvar="YIELDGATE_API_KEY", help="An inference key, if the gateway requires keys."),
+    state: Optional[Path] = typer.Option(None, help="State file (default $YIELDGATE_HOME/posttrain/<adapter>.json)."),
+) -> None:
+    """Post-train an adapter from graded traffic, round after round; the gateway's gate decides (docs/posttraining.md)."""
+    from yieldgate.serving import ensure_model
+    from yieldgate.trainer_bridge.posttrain import PosttrainLoop, PosttrainSettings, format_table
+
+    settings = PosttrainSettings(
+        gateway=gateway, admin_token=token, model_dir=str(ensure_model(model or "smollm2")), adapter=adapter,
+        api_key=api_key, families=[f.strip() for f in families.split(",") if f.strip()], rounds=rounds,
+        samples_per_round=samples, eval_tasks=eval_tasks, canary=canary, cpu_usd_per_hour=cpu_usd_per_hour,
+        state_path=str(state or ""))
+    try:
+        loop = PosttrainLoop(settings)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    if loop.state.rounds:
+        console.print(f"resuming from {loop.path}: {len(loop.state.rounds)} rounds done")
+    rows = loop.run()
+    print(format_table(rows))
+
+
+@app.command()
 def gateway(config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML config file."),
             workers: Optional[int] = typer.Option(None, min=1, help="Gateway processes on the port (server.workers).")) -> None:
     """Run the gateway alone against the fleet in the config (replicas given by URL)."""

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import msgspec
 
 from yieldgate.pricing import PricingConfig
+from yieldgate.pricing.release_gate import CanaryGateConfig
 from yieldgate.serving import FleetConfig, home_dir
 
 ENV_PREFIX = "YIELDGATE_"
@@ -161,6 +162,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     lanes: LaneConfig = msgspec.field(default_factory=LaneConfig)
+    canary: CanaryGateConfig = msgspec.field(default_factory=CanaryGateConfig)  # adapter canaries judged on a timer
 
 
 class ConfigError(ValueError):

@@ -10,8 +10,6 @@ dashboard is open like the inference endpoints.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections import deque
 from decimal import Decimal
@@ -25,6 +23,7 @@ from starlette.responses import Response
 from .accounting import Accounting
 from .errors import AuthenticationError
 from .http import json_response
+from .ticker import Ticker
 from .tiers import FAST, STANDARD
 
 SAMPLE_INTERVAL_S = 5.0
@@ -41,22 +40,17 @@ class Dashboard:
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY_POINTS)
         self._last: dict[str, tuple[int, int]] = {}     # tier -> (prompt, cached) at last sample
         self._ledger_cache: tuple[float, dict[str, Any]] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self.ticker = Ticker("yieldgate-dashboard-sampler", SAMPLE_INTERVAL_S, self._sample)
 
     async def start(self) -> None:
         self.sample()
-        self._task = asyncio.create_task(self._loop(), name="yieldgate-dashboard-sampler")
+        self.ticker.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.ticker.close()
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(SAMPLE_INTERVAL_S)
-            self.sample()
+    async def _sample(self) -> None:
+        self.sample()
 
     def sample(self) -> None:
         """One point per tier: list revenue and actual replica cost per 1M tokens (since start),

@@ -64,12 +64,17 @@ def stop_engine(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def running_engine(model_dir: Path, port: int, log_path: Path, *args: str, host: str = "127.0.0.1",
-                   **kwargs) -> Iterator[str]:
-    """start_engine(...) until healthy; yields its URL and stops it afterwards."""
+                   reuse_env: str | None = None, timeout_s: float = 900, **kwargs) -> Iterator[str]:
+    """start_engine(...) until healthy; yields its URL and stops it afterwards. The URL in the
+    environment variable `reuse_env`, if set, instead (an engine started with the same flags: dev loop)."""
+    reuse = os.environ.get(reuse_env) if reuse_env else None
+    if reuse:
+        yield reuse.rstrip("/")
+        return
     proc = start_engine(model_dir, port, log_path, *args, host=host, **kwargs)
+    url = f"http://{host}:{port}"
     try:
-        url = f"http://{host}:{port}"
-        wait_healthy(url, proc, log_path)
+        wait_healthy(url, proc, log_path, timeout_s=timeout_s)
         yield url
     finally:
         stop_engine(proc)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, record_counts
-from engines import start_engine, stop_engine, wait_healthy
+from engines import running_engine
 from yieldgate.cache import Tokenizer
 from yieldgate.serving import smollm2
 from yieldgate.serving.smollm2 import ensure_smollm2
@@ -43,23 +43,14 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="module")
 def smol_engine(smol_dir: Path, tmp_path_factory) -> str:
     """The module's engine; YIELDGATE_TEST_SMOLLM2_URL reuses one started with the same flags (dev loop)."""
-    reuse = os.environ.get("YIELDGATE_TEST_SMOLLM2_URL")
-    if reuse:
-        yield reuse.rstrip("/")
-        return
     log = tmp_path_factory.mktemp("smollm2-engine") / "engine.log"
-    proc = start_engine(
-        smol_dir, ENGINE_PORT, log,
-        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "4096",
-        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        served_name=MODEL, host=ENGINE_HOST, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    url = f"http://{ENGINE_HOST}:{ENGINE_PORT}"
-    try:
-        wait_healthy(url, proc, log, timeout_s=900)
+    with running_engine(smol_dir, ENGINE_PORT, log,
+                        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "4096",
+                        "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        host=ENGINE_HOST, served_name=MODEL, reuse_env="YIELDGATE_TEST_SMOLLM2_URL",
+                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as url:
         yield url
-    finally:
-        stop_engine(proc)
 
 
 @pytest.fixture(scope="module")
