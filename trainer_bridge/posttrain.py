@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from yieldgate.serving.paths import home_dir
+from yieldgate.serving import home_dir
 
 from .adapter_push import push_adapter
 from .tasks import Task, check, task_split
