@@ -21,6 +21,7 @@ from typing import Callable
 
 from . import engine_polling
 from .config import FleetConfig, LoraConfig, ReplicaConfig
+from .smollm2 import serve_args
 
 _PR_SET_PDEATHSIG = 1
 
@@ -50,6 +51,8 @@ def engine_command(model_path: str, served_name: str, block_size: int, replica: 
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv-events"})]
     if "--enable-lora" not in spec.args:  # a launch spec's own LoRA flags win
         cmd += lora.engine_args()
+    if "--dtype" not in spec.args:
+        cmd += serve_args(model_path)
     return cmd + list(spec.args)
 
 

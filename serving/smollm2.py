@@ -33,6 +33,15 @@ CHAT_TEMPLATE = chatml_template(bos=False, default_system=DEFAULT_SYSTEM)
 # The directory name changes whenever anything that shapes its files changes.
 _FORMAT = 2
 KEY = f"smollm2-135m-instruct-{hashlib.sha256(f'{WHEEL_SHA256}{_FORMAT}{CHAT_TEMPLATE}'.encode()).hexdigest()[:10]}"
+# vLLM 0.32 CPU's bfloat16 kernels on AMX machines (Sapphire Rapids and later) turn this model's greedy
+# answers into fluent nonsense ("L'Étoile, la Marseillaise, …" for the capital of France) while
+# transformers answers "Paris" from the same files: its engines compute in float32 (540 MB, still small).
+SERVE_ARGS = ["--dtype", "float32"]
+
+
+def serve_args(model_path: str) -> list[str]:
+    """The `vllm serve` arguments a directory this module made needs (none for any other model)."""
+    return list(SERVE_ARGS) if os.path.basename(os.path.normpath(model_path)).startswith("smollm2-135m-instruct-") else []
 
 # GGUF tensor names (per layer) -> Hugging Face Llama's.
 _LAYER_NAMES = {

@@ -22,6 +22,7 @@ from openai import OpenAI
 from safetensors.torch import load_file
 
 from engines import running_engine
+from yieldgate.serving import smollm2
 from yieldgate.pricing.release_gate import CanaryGateConfig, OutcomeRule
 from yieldgate.serving.peft import random_adapter
 from yieldgate.serving.smollm2 import ensure_smollm2
@@ -49,7 +50,7 @@ def smol_dir() -> Path:
 @pytest.fixture(scope="module")
 def lora_engine(smol_dir: Path, tmp_path_factory) -> str:
     log = tmp_path_factory.mktemp("posttrain-engine") / "engine.log"
-    with running_engine(smol_dir, ENGINE_PORT, log, "--enable-prefix-caching", "--max-model-len", "2048",
+    with running_engine(smol_dir, ENGINE_PORT, log, "--enable-prefix-caching", "--max-model-len", "2048", *smollm2.SERVE_ARGS,
                         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", host=ENGINE_HOST, served_name=MODEL,
                         reuse_env="YIELDGATE_TEST_SMOLLM2_LORA_URL", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **POLLING}) as url:
         yield url

@@ -45,7 +45,7 @@ def smol_engine(smol_dir: Path, tmp_path_factory) -> str:
     """The module's engine; YIELDGATE_TEST_SMOLLM2_URL reuses one started with the same flags (dev loop)."""
     log = tmp_path_factory.mktemp("smollm2-engine") / "engine.log"
     with running_engine(smol_dir, ENGINE_PORT, log,
-                        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "4096",
+                        "--enable-prefix-caching", "--enable-prompt-tokens-details", "--max-model-len", "4096", *smollm2.SERVE_ARGS,
                         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         host=ENGINE_HOST, served_name=MODEL, reuse_env="YIELDGATE_TEST_SMOLLM2_URL",
