@@ -49,7 +49,7 @@ from .context import RequestContext
 from .metrics import GatewayMetrics
 from .schemas import (ChatCompletionRequest, ChatShaped, CompletionRequest, CountTokensRequest,
                       MessagesRequest)
-from .tiers import FAST, STANDARD
+from .tiers import FAST, FAST_SUFFIX, STANDARD
 
 if TYPE_CHECKING:
     from .config import Config
@@ -185,6 +185,13 @@ class _Children:
                    m.prediction_error.labels(tier))
 
 
+def served_target(ctx: RequestContext) -> str:
+    """What served the request, as a client names it: the adapter, or the model (":fast" for a
+    request that asked for the fast tier); what `auto` chooses among (docs/models.md#auto)."""
+    name = ctx.adapter.name if ctx.adapter is not None else ctx.model
+    return name + FAST_SUFFIX if (ctx.requested_tier or ctx.tier) == FAST else name
+
+
 class Accounting:
     """Where requests are authenticated, admitted and, once finished, priced and recorded."""
 
@@ -197,9 +204,10 @@ class Accounting:
         pricing = config.pricing
         self.price_book = PriceBook(pricing)
         replicas = dict(pricing.replicas)
-        for r in config.fleet.replicas:  # [fleet] cost_per_hour unless [pricing.replicas] says
-            replicas.setdefault(r.name, ReplicaCost(hourly_usd=Decimal(r.cost_per_hour or "0"),
-                                                    tier=r.tier, model=config.fleet.model))
+        for fleet_config in config.fleets:  # [fleet] cost_per_hour unless [pricing.replicas] says
+            for r in fleet_config.replicas:
+                replicas.setdefault(r.name, ReplicaCost(hourly_usd=Decimal(r.cost_per_hour or "0"),
+                                                        tier=r.tier, model=fleet_config.model))
         self.fleet_cost = FleetCostMeter(msgspec.structs.replace(pricing, replicas=replicas))
         self.advisor = CacheAdvisor()
         self._advisor_sample = itertools.count()
@@ -222,9 +230,10 @@ class Accounting:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._admin_token = config.server.admin_token.encode()
         self._request_metrics = config.server.request_metrics
-        # Every tier the fleet serves must have a price, or finish() could not bill it.
-        for tier in config.fleet.tier_names():
-            self.price_book.price(config.fleet.model, tier)
+        # Every tier of every model must have a price, or finish() could not bill it.
+        for fleet_config in config.fleets:
+            for tier in fleet_config.tier_names():
+                self.price_book.price(fleet_config.model, tier)
         metrics.on_render(self.refresh_gauges)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -447,7 +456,8 @@ class Accounting:
                 adapter=ctx.adapter.name if ctx.adapter is not None else "",
                 session_id=ctx.session_id or None, route=ctx.kind,
                 ttft_ms=None if ctx.ttft is None else round(ctx.ttft * 1000, 3),
-                latency_ms=round(latency * 1000, 3), status=status, batch_id=ctx.batch_id)
+                latency_ms=round(latency * 1000, 3), status=status, batch_id=ctx.batch_id,
+                target=served_target(ctx), requested_model=ctx.requested_model, task=ctx.task)
             if ctx.record_sink is not None:
                 ctx.record_sink(record)  # a batch line: stored with its output line, then recorded
             else:

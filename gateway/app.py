@@ -16,12 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from yieldgate.serving import Adapters, Fleet, Replica, Supervisor, open_store
+from yieldgate.serving import Replica, Supervisor
 
 from .accounting import Accounting
 from .adapter_canary import CanaryGate, build_adapter_canary_router
 from .adapter_push import build_adapter_push_router
-from .adapters import adapter_cards, build_adapters_router
+from .adapters import build_adapters_router
 from .admin import build_admin_router, build_feedback_router
 from .apis import APIS, ROUTES
 from .batch_api import build_batch_router
@@ -37,10 +37,10 @@ from .health import build_health_router
 from .openapi import install as install_openapi
 from .metrics import MULTIPROCESS, GatewayMetrics
 from .proxy import Proxy
-from .routing import Routing
+from .registry import ModelPool, ModelRegistry, model_cards, open_pools
 from .stall import LoopWatch
 from .tracing import Tracing
-from .schemas import ModelCard, ModelList
+from .schemas import ModelList
 from .weights import build_intake_router, weight_orchestrator
 
 if TYPE_CHECKING:
@@ -82,13 +82,15 @@ class Gateway:
         self._publisher: asyncio.Task | None = None
         if supervisor is not None:
             supervisor.on_event = self._engine_event
-        self.fleet = Fleet(config.fleet)
-        self.routing = Routing(config, self.fleet)
+        # Every model a pool of its own (gateway/registry.py); [fleet]'s is the primary: the weight
+        # pushes, adapter admin and canaries work on it.
+        self.models = ModelRegistry(config, open_pools(config, self.instance_id))
+        primary = self.models.primary
+        self.fleet, self.routing, self.adapters = primary.fleet, primary.routing, primary.adapters
         self.accounting = Accounting(config, self.metrics, self.fleet, self.instance_id)
         self.dashboard = Dashboard(self.accounting)
-        self.adapters = Adapters(self.fleet, instance_id=self.instance_id)
         self.canary_gate = CanaryGate(self.adapters, self.accounting, config.canary)
-        self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
+        self.pipeline = Pipeline(config, self.models, self.accounting)
         if config.tracing.endpoint:
             self.pipeline.tracing = Tracing(config.tracing, self.instance_id)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
@@ -100,18 +102,21 @@ class Gateway:
             self.batch_store = BatchStore(config.server.postgres_url)
             self.batch_worker = BatchWorker(self.batch_store, self.pipeline, self.proxy, config.lanes,
                                             owner=new_id(f"{self.instance_id}-"))
-        self.fleet.discovery.on_failure = self._discovery_failed
-        self.fleet.on_join.append(self._joined)
-        self.fleet.on_leave.append(self._left)
+        for pool in self.models:
+            pool.fleet.discovery.on_failure = self._discovery_failed
+            pool.fleet.on_join.append(self._joined_to(pool))
+            pool.fleet.on_leave.append(self._left)
 
     async def start(self) -> None:
         self.loop_watch = LoopWatch(asyncio.get_running_loop())  # logs what holds the loop (gateway/stall.py)
         self.loop_watch.start()
-        await self.fleet.start()
+        for pool in self.models:
+            await pool.fleet.start()
         await self.accounting.start()
         await self.dashboard.start()
-        await self.routing.start()
-        await self.adapters.start(await open_store(self.config.server.redis_url, self.config.fleet.model))
+        for pool in self.models:
+            await pool.start(self.config.server.redis_url)
+        await self.models.start_auto(self.accounting)
         await self.canary_gate.start()
         self.pipeline.start()
         await self.proxy.start()
@@ -133,10 +138,10 @@ class Gateway:
         if self.batch_store is not None:
             await close_within("batch store", self.batch_store.close())
         for name, part in (("weights", self.weights), ("proxy", self.proxy), ("canary gate", self.canary_gate),
-                           ("accounting", self.accounting),
-                           ("adapters", self.adapters), ("routing", self.routing),
-                           ("dashboard", self.dashboard), ("fleet", self.fleet)):
+                           ("auto", self.models), ("accounting", self.accounting), ("dashboard", self.dashboard)):
             await close_within(name, part.close())
+        for pool in self.models:
+            await close_within(f"model {pool.name}", pool.close())
         if self._publisher is not None:  # the last counts, where the remaining workers' scrapes read them
             self._publisher.cancel()
             self.metrics.publish()
@@ -154,9 +159,12 @@ class Gateway:
     def _discovery_failed(self, tier: str, reason: str) -> None:
         self.metrics.discovery_failures.labels(tier, reason).inc()
 
-    async def _joined(self, replica: Replica) -> None:
-        self.accounting.fleet_cost.add_replica(replica.name, Decimal(replica.config.cost_per_hour or "0"))
-        self.metrics.membership.labels(replica.tier, "joined").inc()
+    def _joined_to(self, pool: ModelPool):
+        async def joined(replica: Replica) -> None:
+            self.accounting.fleet_cost.add_replica(replica.name, Decimal(replica.config.cost_per_hour or "0"),
+                                                   replica.tier, pool.name)
+            self.metrics.membership.labels(replica.tier, "joined").inc()
+        return joined
 
     async def _left(self, replica: Replica) -> None:
         self.metrics.membership.labels(replica.tier, "left").inc()
@@ -282,24 +290,17 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     async def stored_response(response_id: str) -> Response:
         return await gw.proxy.stored_response(response_id)
 
-    def model_ids() -> list[str]:
-        name = config.fleet.model
-        return [name, f"{name}:fast"] if gw.fleet.in_tier("fast") else [name]
-
     @app.get("/v1/models", dependencies=inference)
     async def models() -> Response:
-        cards = [ModelCard(id=i) for i in model_ids()] + adapter_cards(gw.adapters)
-        return Response(_encode(ModelList(data=cards)), media_type="application/json")
+        return Response(_encode(ModelList(data=model_cards(gw.models))), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}", dependencies=inference)
     async def model(model_id: str) -> Response:
         # The openai SDK's models.retrieve(); ids may hold "/" (org/name) and ":" (the fast tier).
-        if model_id in model_ids():
-            return Response(_encode(ModelCard(id=model_id)), media_type="application/json")
-        card = next((c for c in adapter_cards(gw.adapters) if c.id == model_id), None)
+        card = next((c for c in model_cards(gw.models) if c.id == model_id), None)
         if card is None:
             raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
         return Response(_encode(card), media_type="application/json")
 
-    app.include_router(build_health_router(gw.fleet, gw.metrics, gw.engine_status, gw.drain))
+    app.include_router(build_health_router([p.fleet for p in gw.models], gw.metrics, gw.engine_status, gw.drain))
     return app

@@ -115,7 +115,7 @@ class BatchWorker:
 
     async def _dispatch(self, batch: BatchRow) -> None:
         room = 0 if time.monotonic() < self._backoff_until else \
-            self.pipeline.lanes.batch_room(STANDARD, len(self.running))
+            self.pipeline.registry.primary.lanes.batch_room(STANDARD, len(self.running))
         claimed = await self.store.claim(batch.id, self.owner, room, self.config.batch_lease_s) if room else []
         for line in claimed:
             task = asyncio.create_task(self._line(batch, line))

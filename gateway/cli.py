@@ -254,18 +254,19 @@ def up(
         if cfg.fleet.model == served_name(cfg.fleet.model_path):  # the name was not chosen in the config
             cfg.fleet.model = served_name(model)
         cfg.fleet.model_path = model
-    console.print(f"preparing the model ({cfg.fleet.model_path or 'smollm2'}) ...")
-    try:
-        model_path = str(ensure_model(cfg.fleet.model_path, cfg.fleet.demo_model,
-                                      progress=lambda step: console.print(f"  {step}")))
-    except (ModelUnavailable, FileNotFoundError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from None
-    cfg.fleet.model_path = model_path  # the gateway tokenizes with the served model's own files
+    for fleet in cfg.fleets:
+        console.print(f"preparing the model {fleet.model!r} ({fleet.model_path or 'smollm2'}) ...")
+        try:
+            path = ensure_model(fleet.model_path, fleet.demo_model, progress=lambda step: console.print(f"  {step}"))
+        except (ModelUnavailable, FileNotFoundError) as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(1) from None
+        fleet.model_path = str(path)  # the gateway tokenizes with the served model's own files
     log_dir = Path(cfg.fleet.log_dir) if cfg.fleet.log_dir else home_dir() / "logs"
     tracing = cfg.tracing
-    launcher = Launcher(cfg.fleet, model_path, log_dir,
-                        otlp_traces_endpoint=tracing.endpoint if tracing.engines else "", otlp_protocol=tracing.protocol)
+    launcher = Launcher(cfg.fleet, cfg.fleet.model_path, log_dir,
+                        otlp_traces_endpoint=tracing.endpoint if tracing.engines else "", otlp_protocol=tracing.protocol,
+                        more=[(f, f.model_path) for f in cfg.models])
     supervisor: Supervisor | None = None
 
     def _terminate(signum, frame):  # turn SIGTERM into the same clean exit as Ctrl-C
@@ -283,8 +284,9 @@ def up(
             supervisor.start()
         signal.signal(signal.SIGTERM, previous)
         url = f"http://{cfg.server.host}:{cfg.server.port}"
-        console.print(f"[green]yieldgate is up[/green]: {url}/v1  (model '{cfg.fleet.model}', "
-                      f"fast tier: '{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz   ready {url}/readyz")
+        models = ", ".join(f"'{f.model}'" for f in cfg.fleets)
+        console.print(f"[green]yieldgate is up[/green]: {url}/v1  (models {models}; fast tier: "
+                      f"'{cfg.fleet.model}:fast')\n  metrics {url}/metrics   health {url}/healthz   ready {url}/readyz")
         _serve(cfg, supervisor)
     except LaunchError as exc:
         console.print(f"[red]{exc}[/red]")

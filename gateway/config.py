@@ -154,15 +154,91 @@ class TracingConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f'tracing.protocol must be "grpc" or "http/protobuf", not {self.protocol!r}')
 
 
+class AliasTarget(msgspec.Struct, forbid_unknown_fields=True):
+    """One target of an alias: a model the gateway serves (":fast" for its fast tier), or one of
+    its LoRA adapters, current or at a version ("name@version")."""
+
+    model: str
+    weight: float = 1.0
+
+
+class AliasConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A name clients send for one target (`prod` -> a model, or an adapter at a version) or a
+    weighted split between several (an A/B of a new checkpoint). A session (x-session-id, or the
+    request's `user`) keeps its target, so a conversation is not split across models."""
+
+    targets: list[AliasTarget]
+    sticky: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("an alias needs at least one target")
+        if any(t.weight <= 0 for t in self.targets):
+            raise ValueError("alias target weights must be > 0")
+
+
+class AutoConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """`model: "auto"` (docs/models.md#auto): the target with the lowest expected $ per solved task
+    for the request's task class, from the graded outcomes the gateway records."""
+
+    enabled: bool = False
+    name: str = "auto"                 # the model name that asks for it
+    # The candidates (model names, ":fast" tiers, adapters); [] = every model, its fast tier, its adapters.
+    targets: list[str] = []
+    explore: float = 0.1               # of requests for a target with too few graded tasks
+    min_graded: int = 20               # graded tasks per target and class before it can win
+    confidence: float = 0.95           # one-sided: a new target wins only when cheaper beyond noise
+    refresh_s: float = 10.0            # how often the graded outcomes are read again from the ledger
+    window_s: float = 7 * 86400.0      # ... over this much of the past
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.explore < 1 or not 0.5 < self.confidence < 1 or self.min_graded < 1:
+            raise ValueError("auto: explore within [0, 1), confidence within (0.5, 1), min_graded >= 1")
+        if self.refresh_s <= 0 or self.window_s <= 0:
+            raise ValueError("auto.refresh_s and auto.window_s must be > 0")
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     fleet: FleetConfig = msgspec.field(default_factory=FleetConfig)
+    # More base models behind the same endpoint, each a fleet of its own (tiers, replicas or
+    # discovery, LoRA, block size); [fleet] is the first (docs/models.md). Their replicas are listed.
+    models: list[FleetConfig] = []
+    aliases: dict[str, str | AliasConfig] = {}   # a name -> a target, or a split between targets
+    auto: AutoConfig = msgspec.field(default_factory=AutoConfig)
     pricing: PricingConfig = msgspec.field(default_factory=PricingConfig)
     picker: PickerConfig = msgspec.field(default_factory=PickerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     lanes: LaneConfig = msgspec.field(default_factory=LaneConfig)
     canary: CanaryGateConfig = msgspec.field(default_factory=CanaryGateConfig)  # adapter canaries judged on a timer
+
+    def __post_init__(self) -> None:
+        fleets = self.fleets
+        names = [f.model for f in fleets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique: {names}")
+        replicas = [r.name for f in fleets for r in f.replicas]
+        repeated = sorted({r for r in replicas if replicas.count(r) > 1})
+        if repeated:
+            raise ValueError(f"replica names must be unique across models: {repeated} "
+                             "(a model in [[models]] lists its replicas under names of their own)")
+        for f in fleets:
+            if f.fallback_model and (f.fallback_model == f.model or f.fallback_model not in names):
+                raise ValueError(f"model {f.model!r}: fallback_model must be another model of this "
+                                 f"gateway (one of {names}), not {f.fallback_model!r}")
+        for alias, target in list(self.aliases.items()):
+            if alias in names or alias.endswith(":fast") or (self.auto.enabled and alias == self.auto.name):
+                raise ValueError(f"alias {alias!r} is already a model's name")
+            if isinstance(target, str):  # `prod = "smollm2"`: one target
+                self.aliases[alias] = AliasConfig(targets=[AliasTarget(model=target)])
+        if self.auto.enabled and self.auto.name in names:
+            raise ValueError(f"auto.name {self.auto.name!r} is already a model's name")
+
+    @property
+    def fleets(self) -> list[FleetConfig]:
+        """Every base model's fleet, [fleet] first."""
+        return [self.fleet, *self.models]
 
 
 class ConfigError(ValueError):

@@ -51,6 +51,11 @@ class RequestContext:
     lane: str = ""
     priority: int = 0
     batch_id: str = ""                      # a batch line's job (recorded in its ledger record)
+    # The name the client sent when it was an alias or `auto` (or a model that fell back to this
+    # one); `auto`'s task class and why it chose this target (gateway/registry.py).
+    requested_model: str = ""
+    task: str = ""
+    auto_reason: str = ""
     # Where the ledger record goes instead of the ledger: a batch line's record is stored with its
     # output line in one transaction, then recorded (gateway/batch_worker.py).
     record_sink: Any = None

@@ -19,19 +19,17 @@ import msgspec
 
 from yieldgate.cache import RouteRequest, adapter_candidacy
 from yieldgate.pricing import ApiKey, Usage
-from yieldgate.serving import AdapterError, Adapters, Fleet, Replica, UpstreamConnectError
+from yieldgate.serving import AdapterError, Replica, UpstreamConnectError
 
 from .accounting import Accounting
-from .affinity import ResponseAffinity
 from .apis import ANTHROPIC, APIS, Api
 from .config import Config
 from .context import RequestContext
 from .errors import PayloadTooLarge, ServiceUnavailable, UpstreamError
 from .intake import Intake, open_request, upstream_payload
-from .lanes import Lanes
 from .limits import StreamLease, StreamLimiter, stream_owner
+from .registry import ModelPool, ModelRegistry
 from .relay import StreamRelay
-from .routing import Routing
 from .schemas import ChatShaped
 from .tiers import FAST, FLEX, STANDARD
 from .tracing import Tracing
@@ -41,26 +39,22 @@ _encode = msgspec.json.Encoder(decimal_format="number").encode
 
 
 class Pipeline:
-    """What every front door shares: fleet, routing, accounting, adapters, where stored responses
-    are, and the concurrent-stream limits. Opens one Exchange per request."""
+    """What every front door shares: the models (each a pool with its fleet, routing, adapters,
+    stored responses and lanes: gateway/registry.py), accounting and the concurrent-stream
+    limits. Opens one Exchange per request, on the pool its model names."""
 
-    def __init__(self, config: Config, fleet: Fleet, routing: Routing, accounting: Accounting,
-                 adapters: Adapters):
+    def __init__(self, config: Config, registry: ModelRegistry, accounting: Accounting):
         self.config = config
-        self.fleet = fleet
-        self.routing = routing
+        self.registry = registry
         self.accounting = accounting
-        self.adapters = adapters
-        self.slots = adapters.slots
-        self.affinity = ResponseAffinity(config.fleet.model)
         self.streams = StreamLimiter(config.limits.streams_per_key)
         self.max_body_bytes = config.limits.max_body_bytes
         self.tracing: Tracing | None = None  # set when tracing.endpoint is (gateway/tracing.py)
-        self.lanes = Lanes(config.lanes, fleet)  # flex and batch: engine priority, admission on headroom
 
     def start(self) -> None:
         """Once accounting has started: stored responses are found through its Redis."""
-        self.affinity.attach(self.accounting.redis)
+        for pool in self.registry:
+            pool.affinity.attach(self.accounting.redis)
 
     async def authenticate(self, kind: str, headers: dict[bytes, bytes]) -> ApiKey | None:
         """The request's API key (None: anonymous, in open mode); AuthenticationError if refused."""
@@ -78,21 +72,20 @@ class Pipeline:
              started: float | None = None, lane: str = "") -> "Exchange":
         """Validate the body and resolve model, tier and adapter (4xx if it cannot be served).
         From here on the request must `end`. `lane`: a batch line's (served and priced as its lane)."""
-        intake = open_request(kind, body, headers, key, self.fleet.config.model, self.config.limits, started,
-                              adapters=self.adapters)
-        ctx = intake.ctx
+        intake = open_request(kind, body, headers, key, self.registry, self.config.limits, started)
+        ctx, pool = intake.ctx, intake.pool
         if lane:
             ctx.tier, ctx.lane, ctx.priced_tier = STANDARD, lane, lane
         if ctx.lane:
-            ctx.priority = self.lanes.priority(ctx.lane)
+            ctx.priority = pool.lanes.priority(ctx.lane)
         if kind == "count_tokens":
             ctx.adapter = None  # the base model's tokenizer counts an adapter's tokens too: any replica answers
         elif ctx.adapter is not None:
             # Bound to the version current now, held until the request ends: a version bump
             # unloads the old version only once nothing sent to it is in flight.
             ctx.adapter_held = True
-            self.slots.acquire(ctx.adapter)
-        exchange = Exchange(self, APIS[kind], intake, body)
+            pool.slots.acquire(ctx.adapter)
+        exchange = Exchange(self, pool, APIS[kind], intake, body)
         if self.tracing is not None:
             exchange.span = span = self.tracing.start(ctx, headers)
             exchange.traceparent = self.tracing.traceparent(span)
@@ -105,11 +98,12 @@ class Pipeline:
 class Exchange:
     """One request from its admission to its end; the transport sends the bytes."""
 
-    __slots__ = ("pipeline", "api", "intake", "ctx", "body", "billed", "lease", "relay", "ended", "failed",
+    __slots__ = ("pipeline", "pool", "api", "intake", "ctx", "body", "billed", "lease", "relay", "ended", "failed",
                  "stored", "_remembered", "span", "traceparent")
 
-    def __init__(self, pipeline: Pipeline, api: Api, intake: Intake, body: bytes):
+    def __init__(self, pipeline: Pipeline, pool: ModelPool, api: Api, intake: Intake, body: bytes):
         self.pipeline = pipeline
+        self.pool = pool                     # the model's fleet, routing and adapters (gateway/registry.py)
         self.api = api
         self.intake = intake
         self.ctx: RequestContext = intake.ctx
@@ -143,17 +137,32 @@ class Exchange:
         if ctx.kind == "count_tokens":
             ctx.route = RouteRequest()
             return
-        await p.affinity.pin(ctx, p.fleet)
+        await self.pool.affinity.pin(ctx, self.pool.fleet)
+        if ctx.pinned is None and ctx.adapter is None:
+            other = p.registry.fallback(self.pool, ctx.tier)
+            if other is not None:  # nothing of its model can serve it: another model does, priced as that one
+                self._move_to(other)
+        pool = self.pool
         if ctx.lane == FLEX:  # 429 now when its tier's engines are saturated, never a timeout later
-            p.lanes.admit_flex(ctx.tier)
+            pool.lanes.admit_flex(ctx.tier)
         await p.accounting.admit(ctx)
         self.billed = True
         typed = self.intake.typed
         # Responses and Messages requests route on their prompt rendered as chat messages.
-        ctx.route = p.routing.prepare(ctx, {"messages": typed.chat_messages()}
-                                      if isinstance(typed, ChatShaped) else self.intake.raw)
+        ctx.route = pool.routing.prepare(ctx, {"messages": typed.chat_messages()}
+                                         if isinstance(typed, ChatShaped) else self.intake.raw)
         if typed.stream:  # 429 when the key (or the client) already holds too many streams
             self.lease = p.streams.acquire(stream_owner(ctx.key, client))
+
+    def _move_to(self, pool: ModelPool) -> None:
+        """Cross-model fallback: the request is now `pool`'s, on its tier if it has one."""
+        ctx = self.ctx
+        self.pipeline.accounting.metrics.model_fallbacks.labels(ctx.model, pool.name).inc()
+        ctx.requested_model = ctx.requested_model or ctx.model
+        ctx.model = pool.name
+        self.pool = pool
+        if not pool.routable(ctx.tier):
+            ctx.serve_from(STANDARD)
 
     def payload(self) -> bytes:
         """The bytes for the engine (gateway/intake.py upstream_payload)."""
@@ -165,49 +174,49 @@ class Exchange:
         """One try: pick among the candidates that have not failed this request, count it in
         flight there (and its adapter version on that replica), and load the adapter there if
         the pick chose a replica to take it on. None: nothing can take it."""
-        p, ctx = self.pipeline, self.ctx
+        p, pool, ctx = self.pipeline, self.pool, self.ctx
         candidates = await self._candidates()
         if not candidates:
             return None
-        decision = p.routing.pick(ctx, ctx.route, candidates)
+        decision = pool.routing.pick(ctx, ctx.route, candidates)
         replica = decision.replica
         ctx.bind(replica, decision.predicted_cached_tokens)
         if ctx.tier == FAST and self.billed and not p.accounting.fast_premium_earned(ctx):
             ctx.priced_tier = STANDARD  # the premium follows the speed-up measured for this class
-        p.routing.sent(ctx, decision)
+        pool.routing.sent(ctx, decision)
         if self.span is not None:
             p.tracing.routed(self.span, ctx, decision)
         if ctx.adapter is not None:
             # Counted on the replica before any load: a full replica never unloads an adapter
             # that a request is about to run there.
-            ctx.adapter_sent_to = p.slots.touch(ctx.adapter, replica, ctx.adapter_sent_to)
-            if not p.slots.holds(ctx.adapter, replica):  # picked to take the adapter on
+            ctx.adapter_sent_to = pool.slots.touch(ctx.adapter, replica, ctx.adapter_sent_to)
+            if not pool.slots.holds(ctx.adapter, replica):  # picked to take the adapter on
                 try:
                     await self._load_adapter([replica])
                 except BaseException:
-                    p.routing.done(ctx)
+                    pool.routing.done(ctx)
                     raise
         return replica
 
     def no_replica(self) -> ServiceUnavailable:
-        return self.pipeline.routing.no_replica(self.ctx)
+        return self.pool.routing.no_replica(self.ctx)
 
     async def _candidates(self) -> list[Replica]:
         """The routing candidates. For an adapter, the rule of cache.scorers.adapter_candidacy:
         the replicas of the tier (or its fallback) holding its version, with the tier's others
         while the policy weighs adapter affinity and the version may go on more replicas; held by
         none, it is loaded first (the request waits, bounded)."""
-        p, ctx, failed = self.pipeline, self.ctx, self.failed
-        route, slots = ctx.adapter, p.slots
+        p, pool, ctx, failed = self.pipeline, self.pool, self.ctx, self.failed
+        route, slots, routing = ctx.adapter, pool.slots, pool.routing
         if route is None or ctx.pinned is not None:
-            return await p.routing.targets(ctx, failed, p.failover)
+            return await routing.targets(ctx, failed, p.failover)
         holds = lambda r: slots.holds(route, r)  # noqa: E731
-        holders = await p.routing.candidates(ctx, failed, p.failover, holds)
-        routable = [r for r in p.fleet.candidates(ctx.tier) if r.name not in failed] \
-            or [r for r in p.fleet.fallback(ctx.tier)[1] if r.name not in failed]
+        holders = await routing.candidates(ctx, failed, p.failover, holds)
+        routable = [r for r in pool.fleet.candidates(ctx.tier) if r.name not in failed] \
+            or [r for r in pool.fleet.fallback(ctx.tier)[1] if r.name not in failed]
         everywhere, room = slots.placement(route)
         candidacy = adapter_candidacy(holders, routable, lambda r: slots.affinity(route, r),
-                                      weighs_affinity=p.routing.scores_adapters(ctx.tier), room=room,
+                                      weighs_affinity=routing.scores_adapters(ctx.tier), room=room,
                                       busy=min((r.inflight for r in everywhere), default=0) >= 1, tier=ctx.tier)
         if candidacy.affinity is not None:
             ctx.route.adapter_affinity = candidacy.affinity
@@ -215,10 +224,10 @@ class Exchange:
             slots.spread(route, candidacy.spread_to)
         if candidacy.candidates or not candidacy.load_on:
             return candidacy.candidates
-        deadline = time.monotonic() + p.config.fleet.lora.load_wait_s
+        deadline = time.monotonic() + pool.config.lora.load_wait_s
         while True:
             await self._load_adapter(candidacy.load_on)
-            candidates = await p.routing.candidates(ctx, failed, p.failover, holds)
+            candidates = await routing.candidates(ctx, failed, p.failover, holds)
             if candidates or time.monotonic() >= deadline:
                 return candidates
             # Unloaded again before this request was routed there (another request needed the
@@ -227,26 +236,26 @@ class Exchange:
     async def _load_adapter(self, replicas: list[Replica]) -> None:
         """Load the request's adapter version on one of `replicas`; the request waits (bounded)."""
         try:
-            await self.pipeline.slots.ensure(self.ctx.adapter, replicas)
+            await self.pool.slots.ensure(self.ctx.adapter, replicas)
         except AdapterError as exc:
             raise ServiceUnavailable(exc.message, code=exc.code, headers={"retry-after": "1"}) from None
 
     def retry(self, replica: Replica, exc: BaseException) -> None:
         """The try on `replica` failed before an answer came: the next try goes elsewhere; a replica
         where nothing listens is out of routing until the health check sees it again."""
-        self.pipeline.routing.done(self.ctx)
+        self.pool.routing.done(self.ctx)
         self.failed.add(replica.name)
         if isinstance(exc, UpstreamConnectError):
-            self.pipeline.fleet.set_health(replica, False)
+            self.pool.fleet.set_health(replica, False)
 
     def answered(self) -> None:
         """The replica's first byte is back: its prefill stops counting as work queued there."""
         self.ctx.first_byte()
-        self.pipeline.routing.first_token(self.ctx)
+        self.pool.routing.first_token(self.ctx)
 
     def try_over(self) -> None:
         """The replica is done with this try (answered, failed or cut off). Safe to repeat."""
-        self.pipeline.routing.done(self.ctx)
+        self.pool.routing.done(self.ctx)
 
     # -- the answer --------------------------------------------------------------------------------
 
@@ -271,7 +280,7 @@ class Exchange:
     def stream(self) -> StreamRelay:
         """A 200 stream begins: its events pass through the relay, which bills its final usage."""
         p = self.pipeline
-        self.relay = StreamRelay(self.api, self.ctx, p.accounting, self.want_usage, p.routing.tokenizer)
+        self.relay = StreamRelay(self.api, self.ctx, p.accounting, self.want_usage, self.pool.routing.tokenizer)
         return self.relay
 
     def feed(self, data: bytes) -> bytes:
@@ -292,7 +301,7 @@ class Exchange:
         """Record where a Responses answer the engine stored is, so a follow-up naming it finds it."""
         stored, self.stored = self.stored, None
         if stored is not None and self.ctx.kind == "responses":
-            await self.pipeline.affinity.remember(self.ctx, stored)
+            await self.pool.affinity.remember(self.ctx, stored)
 
     # -- the end -----------------------------------------------------------------------------------
 
@@ -309,8 +318,8 @@ class Exchange:
             self.lease.release()
         if ctx.adapter_held:
             ctx.adapter_held = False
-            p.slots.release(ctx.adapter, ctx.adapter_sent_to)
-        p.routing.done(ctx)
+            self.pool.slots.release(ctx.adapter, ctx.adapter_sent_to)
+        self.pool.routing.done(ctx)
         extra: dict[str, Any] = {}
         if self.relay is not None:
             self.relay.end(status)

@@ -9,18 +9,20 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from yieldgate.pricing import ApiKey
-from yieldgate.serving import Adapters
 
 from .apis import APIS
 from .config import RequestLimits
 from .context import RequestContext
-from .errors import InvalidRequest, ModelNotFound, param_from_msgspec
+from .errors import InvalidRequest, param_from_msgspec
 from .tiers import FAST, FLEX, resolve_tier
+
+if TYPE_CHECKING:
+    from .registry import ModelPool, ModelRegistry
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -28,11 +30,13 @@ _encode = msgspec.json.Encoder(decimal_format="number").encode
 
 @dataclass(slots=True)
 class Intake:
-    """A validated request: its JSON as a dict (unknown fields kept), its typed view, its context."""
+    """A validated request: its JSON as a dict (unknown fields kept), its typed view, its context,
+    and the pool of the model it names."""
 
     raw: dict[str, Any]
     typed: Any
     ctx: RequestContext
+    pool: "ModelPool"
 
 
 def parse_request(kind: str, body: bytes, limits: RequestLimits) -> tuple[dict[str, Any], Any]:
@@ -73,30 +77,36 @@ def parse_request(kind: str, body: bytes, limits: RequestLimits) -> tuple[dict[s
 
 
 def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKey | None,
-                 served_model: str, limits: RequestLimits, started: float | None = None,
-                 adapters: Adapters | None = None) -> Intake:
-    """Parse the body, resolve model and tier (404 for a model the fleet does not serve, nor a
-    LoRA adapter of `adapters`) and open the request's context. `headers` are the raw request
-    headers with lower-case names."""
+                 registry: "ModelRegistry", limits: RequestLimits, started: float | None = None) -> Intake:
+    """Parse the body, resolve model and tier (404 for a name that is no model, adapter, alias nor
+    `auto` of the gateway: gateway/registry.py) and open the request's context. `headers` are the
+    raw request headers with lower-case names."""
     raw, typed = parse_request(kind, body, limits)
-    model, tier = resolve_tier(typed.model, typed.requested_service_tier)
-    adapter = None
-    if model != served_model:
-        adapter = adapters.resolve(model) if adapters is not None else None
-        if adapter is None:
-            raise ModelNotFound(f"The model '{typed.model}' does not exist.", param="model")
-        model = served_model  # priced and recorded as its base model, the adapter and version beside it
+    session = header(headers, b"x-session-id") or typed.user or ""
+    found = registry.resolve(typed.model, session, task_class(headers, raw))
+    _, tier = resolve_tier(found.model, typed.requested_service_tier)
+    # An adapter is priced and recorded as its base model, the adapter and version beside it.
     ctx = RequestContext(
         request_id=request_id(headers),
-        kind=kind, model=model, tier=tier, started=time.perf_counter() if started is None else started,
-        stream=typed.stream,
-        session_id=header(headers, b"x-session-id") or typed.user or "",
-        key=key,
-        max_tokens=typed.output_limit, typed=typed, adapter=adapter,
+        kind=kind, model=found.pool.name, tier=tier, started=time.perf_counter() if started is None else started,
+        stream=typed.stream, session_id=session, key=key,
+        max_tokens=typed.output_limit, typed=typed, adapter=found.adapter,
+        requested_model=found.requested, task=found.task, auto_reason=found.reason,
     )
     if tier != FAST and typed.requested_service_tier == FLEX:
         ctx.lane = ctx.priced_tier = FLEX  # served by its tier behind interactive work, at the flex price
-    return Intake(raw, typed, ctx)
+    return Intake(raw, typed, ctx, found.pool)
+
+
+def task_class(headers: dict[bytes, bytes], raw: dict[str, Any]) -> str:
+    """The request's task class for `auto`: the x-yieldgate-task header, else `metadata.task`
+    (OpenAI's free-form request metadata); "" = unlabelled."""
+    given = header(headers, b"x-yieldgate-task")
+    if not given:
+        metadata = raw.get("metadata")
+        task = metadata.get("task") if isinstance(metadata, dict) else None
+        given = task if isinstance(task, str) else ""
+    return given[:64] if given.isprintable() else ""
 
 
 def upstream_payload(intake: Intake, body: bytes) -> bytes:

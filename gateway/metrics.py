@@ -124,6 +124,9 @@ class GatewayMetrics:
         self.failovers = Counter(
             "yieldgate_tier_failovers", "Requests served by another tier while theirs had no routable replica",
             ["requested_tier", "served_tier"], registry=r)
+        self.model_fallbacks = Counter(
+            "yieldgate_model_fallbacks", "Requests served by another model while theirs had no routable "
+            "replica (fleet.fallback_model)", ["requested_model", "served_model"], registry=r)
         self.engine_restarts = Counter(
             "yieldgate_engine_restarts", "Launched engines restarted by the supervisor", ["replica", "reason"],
             registry=r)

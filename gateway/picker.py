@@ -33,18 +33,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from yieldgate.serving import AdapterLoadFailed, Adapters, Fleet
+from yieldgate.serving import AdapterLoadFailed
 
 from .accounting import Accounting
-from .adapters import adapter_cards
 from .apis import APIS, ROUTES, Api
 from .config import Config, PickerAdapter
 from .errors import APIError, InternalError, NotFound, UpstreamError
 from .exchange import Exchange, Pipeline
 from .metrics import GatewayMetrics
 from .responses import yieldgate_headers
-from .routing import Routing
-from .schemas import ModelCard, ModelList
+from .registry import ModelRegistry, model_cards, open_pools
+from .schemas import ModelList
 
 log = logging.getLogger("yieldgate.picker")
 
@@ -145,17 +144,20 @@ class EndpointPicker:
     def __init__(self, config: Config):
         self.config = config
         self.metrics = GatewayMetrics()
-        self.fleet = Fleet(config.fleet)
-        self.routing = Routing(config, self.fleet)
+        self.registry = ModelRegistry(config, open_pools(config))
+        primary = self.registry.primary  # [picker] adapters go on its engines
+        self.fleet, self.routing, self.adapters = primary.fleet, primary.routing, primary.adapters
         self.accounting = Accounting(config, self.metrics, self.fleet)
-        self.adapters = Adapters(self.fleet)
-        self.pipeline = Pipeline(config, self.fleet, self.routing, self.accounting, self.adapters)
+        self.pipeline = Pipeline(config, self.registry, self.accounting)
         self._placing: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.fleet.start()
+        for pool in self.registry:
+            await pool.fleet.start()
         await self.accounting.start()
-        await self.routing.start()
+        for pool in self.registry:
+            await pool.start(None)  # the adapters it places itself: no shared registry
+        await self.registry.start_auto(self.accounting)
         self.pipeline.start()
         waiting = [a for a in self.config.picker.adapters if not await self._place(a)]
         if waiting:
@@ -180,10 +182,10 @@ class EndpointPicker:
         if self._placing is not None:
             self._placing.cancel()
             await asyncio.gather(self._placing, return_exceptions=True)
-        await self.adapters.close()
-        await self.routing.close()
+        await self.registry.close()
         await self.accounting.close()
-        await self.fleet.close()
+        for pool in self.registry:
+            await pool.close()
 
     async def pick(self, kind: str, headers: dict[bytes, bytes], body: bytes) -> tuple[Routed, bytes]:
         """Admit and route one request; -> its answer's state and the bytes to send the engine.
@@ -204,9 +206,7 @@ class EndpointPicker:
         return Routed(exchange, _host_port(replica.url)), exchange.payload()
 
     def models(self) -> bytes:
-        name = self.config.fleet.model
-        ids = [name, f"{name}:fast"] if self.fleet.in_tier("fast") else [name]
-        return _encode(ModelList(data=[ModelCard(id=i) for i in ids] + adapter_cards(self.adapters)))
+        return _encode(ModelList(data=model_cards(self.registry)))
 
 
 def _client_address(headers: dict[bytes, bytes]) -> str | None:

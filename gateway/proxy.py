@@ -48,7 +48,6 @@ class Proxy:
     def __init__(self, pipeline: Pipeline, drain: Drain | None = None, instance_id: str = ""):
         self.pipeline = pipeline
         self.config = pipeline.config
-        self.fleet = pipeline.fleet
         self.drain = drain or Drain()
         self._gateway_header = (b"x-yieldgate-gateway", instance_id.encode("latin-1"))
         limits = self.config.limits
@@ -108,10 +107,15 @@ class Proxy:
     async def stored_response(self, response_id: str) -> Response:
         """`GET /v1/responses/{id}` (the openai client's responses.retrieve): asked of the replica
         that stored it, the only engine that has it. Not billed: nothing is generated."""
-        try:
-            replica = await self.pipeline.affinity.replica(response_id, self.fleet)
-        except PreviousResponseNotFound as exc:
-            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id") from exc
+        replica = None
+        for pool in self.pipeline.registry:  # one model's replica stored it
+            try:
+                replica = await pool.affinity.replica(response_id, pool.fleet)
+                break
+            except PreviousResponseNotFound:
+                continue
+        if replica is None:
+            raise ResponseNotFound(f"Response with id '{response_id}' not found.", param="response_id")
         try:
             # A rare read, not the hot path: one short-lived client instead of the pooled POST path.
             async with httpx.AsyncClient(timeout=30.0) as http:
@@ -236,7 +240,7 @@ class Proxy:
             yield exchange.api.stream_error(f"The gateway ended the stream: {exc}.")
         except _RETRYABLE as exc:
             # The engine died mid-stream: end the stream the way OpenAI clients understand.
-            self.fleet.set_health(replica, False)
+            exchange.pool.fleet.set_health(replica, False)
             status = "upstream_error"
             yield exchange.api.stream_error(f"Upstream replica failed mid-stream: {type(exc).__name__}")
         finally:

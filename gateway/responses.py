@@ -41,6 +41,11 @@ def yieldgate_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
     ]
     if ctx.requested_tier:
         headers.append((b"x-yieldgate-requested-tier", ctx.requested_tier.encode("latin-1")))
+    if ctx.requested_model:  # an alias, `auto`, or a model that fell back to this one
+        headers.append((b"x-yieldgate-model", ctx.model.encode("latin-1")))
+        headers.append((b"x-yieldgate-requested-model", ctx.requested_model.encode("latin-1")))
+    if ctx.auto_reason:
+        headers.append((b"x-yieldgate-auto", ctx.auto_reason.encode("latin-1")))
     if ctx.priced_tier:
         headers.append((b"x-yieldgate-priced-tier", ctx.priced_tier.encode("latin-1")))
     if ctx.cost_header:

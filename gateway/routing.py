@@ -1,6 +1,6 @@
 """Per-tier routing: the gateway's adapter to the policies, tokenizer and prefix index in `cache`.
 
-One prefix index for the whole fleet (shared with other gateways through Redis when reachable), one
+One prefix index for the model's fleet (shared with other gateways through Redis when reachable), one
 `cache.Router` per tier with the tier's policy, one KV-event subscriber per engine that publishes;
 a discovered replica gets its subscriber and index slot when it joins and loses them when it leaves.
 The prompt is tokenized only when the tier's policy needs tokens.
@@ -37,7 +37,7 @@ class Routing:
         self._redis: aioredis.Redis | None = None
 
     async def start(self) -> None:
-        fleet_cfg = self.config.fleet
+        fleet_cfg = self.fleet.config
         self.index = await self._open_index()
         self.routers = {tier: self._router(fleet_cfg.tier(tier)) for tier in self.fleet.tiers()}
         # Loaded even when no policy needs tokens: a stream cut short is billed by it (gateway/relay.py).
@@ -79,7 +79,7 @@ class Routing:
                               share_weight=tier.share_weight,
                               speculate_max_temperature=tier.speculate_max_temperature,
                               default_temperature=tier.default_temperature)
-        return Router(tier.policy, self.index, block_size=self.config.fleet.block_size, config=config,
+        return Router(tier.policy, self.index, block_size=self.fleet.config.block_size, config=config,
                       pipeline=tier.pipeline)
 
     async def _open_index(self) -> PrefixIndex | SharedPrefixIndex:
@@ -87,7 +87,7 @@ class Routing:
         if client is None:
             return PrefixIndex()
         self._redis = client
-        index = SharedPrefixIndex(client, PrefixIndexConfig(redis_key_prefix=f"yg:prefix:{self.config.fleet.model}"))
+        index = SharedPrefixIndex(client, PrefixIndexConfig(redis_key_prefix=f"yg:prefix:{self.fleet.config.model}"))
         await index.start()
         return index
 
@@ -169,7 +169,7 @@ class Routing:
             else:
                 candidates = routable
         elif any(r.speculative for r in candidates):
-            plain_tier = self.config.fleet.tier(ctx.tier).plain_tier
+            plain_tier = self.fleet.config.tier(ctx.tier).plain_tier
             if plain_tier:  # the tier's policy may send a request that would not gain from speculation there
                 candidates += [r for r in self.fleet.candidates(plain_tier) if r.name not in failed
                                and not r.speculative and r not in candidates and (holds is None or holds(r))]
@@ -193,7 +193,7 @@ class Routing:
 
     def no_replica(self, ctx: RequestContext) -> ServiceUnavailable:
         """The 503 for a request that nothing in its tier or fallback tier can serve."""
-        fallback = self.config.fleet.tier(ctx.tier).fallback
+        fallback = self.fleet.config.tier(ctx.tier).fallback
         if ctx.adapter is not None:
             return ServiceUnavailable(f"Adapter '{ctx.adapter.label}' is on no routable replica of tier "
                                       f"'{ctx.tier}'" + (f" nor of its fallback tier '{fallback}'." if fallback else "."),
@@ -206,7 +206,7 @@ class Routing:
         ctx.router_tier = ctx.tier
         decision = self.routers[ctx.tier].pick(request, candidates)
         served = decision.replica
-        if (served.tier != ctx.tier and served.tier == self.config.fleet.tier(ctx.tier).plain_tier
+        if (served.tier != ctx.tier and served.tier == self.fleet.config.tier(ctx.tier).plain_tier
                 and not served.speculative and any(r.speculative for r in candidates)):
             ctx.serve_from(served.tier)  # the speculation filter chose not to speed it up: priced as served
         return decision

@@ -78,9 +78,9 @@ class FleetCostMeter:
         self._tokens.setdefault(replica, 0)
         self._busy_ns.setdefault(replica, 0)
 
-    def add_replica(self, replica: str, hourly_usd: Decimal) -> None:
+    def add_replica(self, replica: str, hourly_usd: Decimal, tier: str = "", model: str = "") -> None:
         """Register a replica (e.g. scaled up at runtime); its cost accrues from now."""
-        self._replicas[replica] = ReplicaCost(hourly_usd=hourly_usd)
+        self._replicas[replica] = ReplicaCost(hourly_usd=hourly_usd, tier=tier or None, model=model or None)
         self._start(replica, self._clock())
 
     def observe(self, replica: str, model: str, tier: str, usage: Usage, list_cost: Cost,

@@ -41,6 +41,11 @@ class LedgerRecord(msgspec.Struct, kw_only=True):
     latency_ms: float | None = None
     status: Status = "ok"
     batch_id: str = ""                # the batch job a line of which this request was ("" = none)
+    # What served it as a client names it: the model (":fast" for its fast tier) or the adapter;
+    # the alias or `auto` the client sent instead, and auto's task class (docs/models.md).
+    target: str = ""
+    requested_model: str = ""
+    task: str = ""
 
     @classmethod
     def priced(cls, *, request_id: str, usage: Usage, cost: Cost, ts: float | None = None,

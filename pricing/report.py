@@ -29,6 +29,7 @@ DIMENSIONS: dict[str, Callable[[LedgerRecord], str | None]] = {
     "gateway": lambda r: r.gateway,
     "weight_version": lambda r: r.weight_version, "adapter": lambda r: r.adapter, "session_id": lambda r: r.session_id,
     "status": lambda r: r.status, "route": lambda r: r.route, "batch_id": lambda r: r.batch_id, "day": _day,
+    "target": lambda r: r.target, "requested_model": lambda r: r.requested_model, "task": lambda r: r.task,
 }
 
 

@@ -195,12 +195,20 @@ class Adapters:
         return False
 
     def _canary_route(self, adapter: Adapter, version: str) -> AdapterRoute:
-        engine = engine_name(adapter.name, version)  # never a model name: those have no "@"
+        route = self.resolve_at(adapter.name, version)
+        assert route is not None
+        return route
+
+    def resolve_at(self, name: str, version: str) -> AdapterRoute | None:
+        """Adapter `name` at `version` (an alias pinned to a version); None if it has no such version."""
+        adapter = self.adapters.get(name)
+        engine = engine_name(name, version)  # never a model name: those have no "@"
         route = self._routes.get(engine)
         if route is None:
-            record = adapter.version(version)
-            assert record is not None
-            route = self._routes[engine] = AdapterRoute(adapter.name, version, record.path)
+            record = adapter.version(version) if adapter is not None else None
+            if record is None:
+                return None
+            route = self._routes[engine] = AdapterRoute(name, version, record.path)
         return route
 
     def names(self) -> list[str]:

@@ -270,6 +270,9 @@ class FleetConfig(msgspec.Struct, forbid_unknown_fields=True):
     log_dir: str = ""             # engine logs; "" = <YIELDGATE_HOME>/logs
     supervision: SupervisionConfig = SupervisionConfig()
     lora: LoraConfig = LoraConfig()  # LoRA flags for every launched engine
+    # Another model of the gateway that serves this one's requests while none of its replicas (nor
+    # its fallback tier's) is routable; priced and labelled as the model that served. "" = 503.
+    fallback_model: str = ""
 
     def __post_init__(self) -> None:
         self.model = self.model or served_name(self.model_path)

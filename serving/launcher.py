@@ -163,20 +163,26 @@ class Launcher:
     # request's `traceparent` from the gateway makes them children of its span. "" = no spans.
     otlp_traces_endpoint: str = ""
     otlp_protocol: str = "grpc"
+    # More models behind the same gateway, each (its fleet, the directory its engines load).
+    more: list[tuple[FleetConfig, str]] = field(default_factory=list)
+
+    def models(self) -> list[tuple[FleetConfig, str]]:
+        return [(self.fleet, self.model_path), *self.more]
 
     def start(self) -> list[EngineProcess]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.engines = [self.spawn(r) for r in self.fleet.replicas if r.launch is not None]
+        self.engines = [self.spawn(r) for fleet, _ in self.models() for r in fleet.replicas if r.launch is not None]
         return self.engines
 
     def spawn(self, replica: ReplicaConfig) -> EngineProcess:
         """Start one engine (its log is appended to: a restart's output follows the crash's)."""
+        fleet, model_path = next((f, m) for f, m in self.models() if any(r.name == replica.name for r in f.replicas))
         log_path = self.log_dir / f"{replica.name}.log"
         with open(log_path, "ab", buffering=0) as log:
             proc = subprocess.Popen(
-                engine_command(self.model_path, self.fleet.model, self.fleet.block_size, replica, self.fleet.lora)
+                engine_command(model_path, fleet.model, fleet.block_size, replica, fleet.lora)
                 + self._tracing_args(replica),
-                env=engine_env(replica, self.fleet.lora) | self._tracing_env(replica),
+                env=engine_env(replica, fleet.lora) | self._tracing_env(replica),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

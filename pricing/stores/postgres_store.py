@@ -37,6 +37,7 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("completion_tokens", "int4"), ("cost_uncached_input", "numeric"),
     ("cost_cached_input", "numeric"), ("cost_output", "numeric"), ("cost_total", "numeric"),
     ("ttft_ms", "float8"), ("latency_ms", "float8"), ("status", "text"), ("batch_id", "text"),
+    ("target", "text"), ("requested_model", "text"), ("task", "text"),
 )
 _NAMES = [c for c, _ in COLUMNS]
 assert tuple(_NAMES) == LedgerRecord.__struct_fields__, "ledger columns out of step with LedgerRecord"
@@ -47,8 +48,11 @@ CREATE TABLE IF NOT EXISTS yg_ledger (
     {", ".join(f"{c} {t}{' NOT NULL' if c in _NOT_NULL else ''}" for c, t in COLUMNS)},
     PRIMARY KEY (ts, request_id)
 ) PARTITION BY RANGE (ts);
--- A column added after the table was first made: ALTER keeps the column order = LedgerRecord's.
+-- Columns added after the table was first made: ALTERs in order keep the column order = LedgerRecord's.
 ALTER TABLE yg_ledger ADD COLUMN IF NOT EXISTS batch_id text;
+ALTER TABLE yg_ledger ADD COLUMN IF NOT EXISTS target text;
+ALTER TABLE yg_ledger ADD COLUMN IF NOT EXISTS requested_model text;
+ALTER TABLE yg_ledger ADD COLUMN IF NOT EXISTS task text;
 CREATE INDEX IF NOT EXISTS yg_ledger_key_ts ON yg_ledger (key_id, ts);
 CREATE TABLE IF NOT EXISTS yg_outcome (
     target text NOT NULL, target_id text NOT NULL, passed bool NOT NULL, score float8,
@@ -73,7 +77,8 @@ _DIMENSIONS = {
     "requested_tier": "coalesce(nullif(requested_tier, ''), tier)", "replica": "replica",
     "gateway": "gateway", "weight_version": "weight_version", "adapter": "adapter",
     "session_id": "session_id", "status": "status", "route": "route",
-    "batch_id": "coalesce(batch_id, '')",
+    "batch_id": "coalesce(batch_id, '')", "target": "coalesce(target, '')",
+    "requested_model": "coalesce(requested_model, '')", "task": "coalesce(task, '')",
     "day": "to_char(to_timestamp(ts) AT TIME ZONE 'UTC', 'YYYY-MM-DD')",
 }
 _SUMS = ("count(*), count(*) FILTER (WHERE status <> 'ok'), coalesce(sum(prompt_tokens), 0), "
