@@ -102,7 +102,11 @@ def main() -> None:
     plot(runs[-1], harness.RESULTS / "fast_vs_standard.png")
 
 
-MEASURES = ["gateway/", "cache/", "serving/", "pricing/", "loadtest/", "benchmarks/fast_vs_standard.py"]
+# What decides the ratio: the engines' launch (speculation settings, dtype), the fast tier's routing
+# (the speculation filter and its plain tier) and the client that measures. The rest of the gateway's
+# request path is the same code on both sides of the ratio (and on the control's).
+MEASURES = ["serving/config.py", "serving/launcher.py", "serving/smollm2.py", "cache/policies.py", "cache/scorers.py",
+            "gateway/routing.py", "loadtest/", "benchmarks/fast_vs_standard.py"]
 
 
 def compare(a: argparse.Namespace) -> dict:
