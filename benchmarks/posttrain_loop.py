@@ -35,7 +35,7 @@ from yieldgate.gateway.config import Config, ServerConfig  # noqa: E402
 from yieldgate.gateway.embedded import GatewayProcess, stop_process_group  # noqa: E402
 from yieldgate.pricing.release_gate import CanaryGateConfig, wilson  # noqa: E402
 from yieldgate.serving.config import FleetConfig, ReplicaConfig  # noqa: E402
-from yieldgate.serving.smollm2 import ensure_smollm2  # noqa: E402
+from yieldgate.serving.smollm2 import SERVE_ARGS, ensure_smollm2  # noqa: E402
 from yieldgate.trainer_bridge.posttrain import PosttrainLoop, PosttrainSettings, format_table  # noqa: E402
 
 Z90 = 1.6449  # two-sided 90%
@@ -55,7 +55,7 @@ def start_engine(model_dir: Path, port: int, log: Path) -> tuple[subprocess.Pope
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", MODEL, "--host", HOST, "--port", str(port), "--gpu-memory-utilization", "0.3",
            "--block-size", "32", "--enforce-eager", "--enable-prefix-caching", "--max-model-len", "2048",
-           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", *SERVE_ARGS]  # float32 (serving/smollm2.py)
     proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + 900
