@@ -44,7 +44,7 @@ Z90 = 1.6449  # two-sided 90%
 POLLING = {"YIELDGATE_ENGINE_POLL_PAUSE_US": "50", "YIELDGATE_ENGINE_POLL_SPIN_US": "300", "OMP_NUM_THREADS": "1"}
 HOST = "127.0.11.5"
 MODEL = "smollm2-posttrain"   # the served name: an adapter registry of its own in Redis
-MEASURES = ["trainer_bridge/posttrain.py", "trainer_bridge/tasks.py", "pricing/release_gate.py",
+MEASURES = ["trainer_bridge/posttrain.py", "trainer_bridge/tasks.py", "pricing/release_gate.py", "serving/smollm2.py",
             "gateway/adapter_canary.py", "benchmarks/posttrain_loop.py"]
 
 
