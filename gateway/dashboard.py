@@ -85,11 +85,12 @@ class Dashboard:
         if self._ledger_cache and now - self._ledger_cache[0] < LEDGER_CACHE_S:
             return self._ledger_cache[1]
         if self.accounting.ledger is None:  # switched off: the panels stay empty
-            return {"spend": [], "success": [], "routes": []}
+            return {"spend": [], "success": [], "routes": [], "targets": []}
         ledger = await self.accounting.flushed_ledger()
         spend = await ledger.usage(("key_id", "team"))
         success = await ledger.success(("weight_version",))
         routes = await ledger.usage(("route",))
+        targets = await ledger.success(("task", "target"))
         views = {
             "spend": [{"key_id": r.group["key_id"] or "anonymous", "team": r.group["team"] or "",
                        "requests": r.requests, "cost_usd": float(r.cost_total),
@@ -104,6 +105,11 @@ class Dashboard:
                         "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                         "cached_ratio": r.cached_tokens / r.prompt_tokens if r.prompt_tokens else None}
                        for r in routes],
+            # What `auto` chooses on (docs/models.md#auto): $ per solved task per task class and target.
+            "targets": [{"task": r.group["task"] or "", "target": r.group["target"] or "?", "requests": r.requests,
+                         "tasks_graded": r.tasks_graded, "successes": r.successes,
+                         "usd_per_success": None if r.usd_per_success is None else float(r.usd_per_success)}
+                        for r in targets if r.tasks_graded],
         }
         self._ledger_cache = (now, views)
         return views
@@ -118,10 +124,19 @@ class Dashboard:
             m["requests"] += t.requests
             m["tokens"] += t.prompt_tokens + t.completion_tokens
             m["revenue_usd"] += float(t.revenue)
+        models: dict[str, dict[str, Any]] = {}
+        for (_tier, model), t in acc.totals.items():
+            m = models.setdefault(model, {"requests": 0, "tokens": 0, "revenue_usd": 0.0, "prompt_tokens": 0,
+                                          "cached_tokens": 0})
+            m["requests"] += t.requests
+            m["tokens"] += t.prompt_tokens + t.completion_tokens
+            m["revenue_usd"] += float(t.revenue)
+            m["prompt_tokens"] += t.prompt_tokens
+            m["cached_tokens"] += t.cached_tokens
         breakers = [{"key_id": r.key_id, "breaks": r.breaks, "requests": r.requests,
                      "lost_tokens": r.lost_tokens, "median_break_position": r.median_break_position,
                      "advice": r.advice} for r in acc.advisor.reports()[:10]]
-        return {"now": time.time(), "series": list(self.history), "tier_mix": mix,
+        return {"now": time.time(), "series": list(self.history), "tier_mix": mix, "model_mix": models,
                 "cache_breakers": breakers, "fast_speedup": self.fast_speedup(),
                 **(await self._ledger_views())}
 

@@ -83,7 +83,8 @@ def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKe
     raw request headers with lower-case names."""
     raw, typed = parse_request(kind, body, limits)
     session = header(headers, b"x-session-id") or typed.user or ""
-    found = registry.resolve(typed.model, session, task_class(headers, raw))
+    task = task_class(headers, raw)  # recorded for every request that names one: `auto` learns from all
+    found = registry.resolve(typed.model, session, task)
     _, tier = resolve_tier(found.model, typed.requested_service_tier)
     # An adapter is priced and recorded as its base model, the adapter and version beside it.
     ctx = RequestContext(
@@ -91,7 +92,7 @@ def open_request(kind: str, body: bytes, headers: dict[bytes, bytes], key: ApiKe
         kind=kind, model=found.pool.name, tier=tier, started=time.perf_counter() if started is None else started,
         stream=typed.stream, session_id=session, key=key,
         max_tokens=typed.output_limit, typed=typed, adapter=found.adapter,
-        requested_model=found.requested, task=found.task, auto_reason=found.reason,
+        requested_model=found.requested, task=found.task or task, auto_reason=found.reason,
     )
     if tier != FAST and typed.requested_service_tier == FLEX:
         ctx.lane = ctx.priced_tier = FLEX  # served by its tier behind interactive work, at the flex price

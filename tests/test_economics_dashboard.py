@@ -14,7 +14,8 @@ from test_economics_billing import ADMIN, clean_redis, economics_config
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
 # Canvases whose plot area must hold drawn data (not just axes or a "no data" note).
-DATA_CHARTS = ("chart-cost", "chart-cache", "chart-spend", "chart-tiers", "chart-routes", "chart-success")
+DATA_CHARTS = ("chart-cost", "chart-cache", "chart-spend", "chart-tiers", "chart-routes", "chart-success",
+               "chart-models", "chart-targets")
 # Data is drawn in saturated colours; axes, grid and labels are greys.
 COLOURFUL_PIXELS_JS = """
 const c = document.getElementById(arguments[0]);
@@ -57,7 +58,8 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
         session = "dash-" + uuid.uuid4().hex[:6]
         system = "You are the dashboard assistant. " * 20
         for i, model in enumerate(["demo", "demo", "demo:fast", "demo"]):
-            resp = httpx.post(gw.url + "/v1/chat/completions", headers={**key, "x-session-id": session}, timeout=60,
+            resp = httpx.post(gw.url + "/v1/chat/completions", timeout=60,
+                              headers={**key, "x-session-id": session, "x-yieldgate-task": "dash-task"},
                               json={"model": model, "max_tokens": 4, "messages": [
                                   {"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]})
             assert resp.status_code == 200
@@ -86,6 +88,11 @@ def test_dashboard_renders_real_traffic(stack, redis_url, tmp_path, gateway_fact
         # The second Responses and Messages requests read their system prompt from the prefix cache.
         assert routes["responses"]["cached_tokens"] > 0 and routes["messages"]["cached_tokens"] > 0
         assert any(s["team"] == "dash" and s["cost_usd"] > 0 for s in data["spend"])
+        assert data["model_mix"]["demo"]["requests"] == 8 and data["model_mix"]["demo"]["cached_tokens"] > 0
+        # What `auto` chooses on: the graded session's $ per solved task per (task class, target).
+        targets = {(t["task"], t["target"]): t for t in data["targets"]}
+        assert {("dash-task", "demo"), ("dash-task", "demo:fast"), ("", "demo")} == set(targets), targets
+        assert all(t["successes"] == t["tasks_graded"] == 1 and t["usd_per_success"] > 0 for t in targets.values())
         # The fast tier's speed-up per workload class, next to what its requests paid over standard.
         speedup, = data["fast_speedup"]
         assert (speedup["class"], speedup["requests"], speedup["standard_requests"]) == ("chat, sampled", 1, 3)
