@@ -1,4 +1,5 @@
-"""Inference economics: price book, exact costs, fleet yield, durable ledger, keys, budgets, limits."""
+"""Inference economics: price book, exact costs, fleet yield, durable ledger, keys, budgets, limits,
+and the `model: "auto"` choice of the target cheapest per solved task."""
 
 from .advisor import CacheAdvisor, Divergence, KeyCacheReport, common_prefix_len, diagnose
 from .budget import BudgetEnforcer, BudgetStatus, Reservation
@@ -17,6 +18,7 @@ from .ratelimit import RateDecision, RateLimiter
 from .record import LedgerRecord, Outcome, record_docs
 from .report import SuccessRow, UsageRow, export_csv, export_focus_csv, success_report, usage_report
 from .stores import LedgerStore, PostgresStore, RedisStore, SQLiteStore
+from .target_choice import AUTO_GROUP_BY, AutoRule, Choice, TargetChooser
 
 __all__ = [
     "Cost", "FleetCostMeter", "FleetYield", "InsufficientQuota", "InvalidApiKey", "InvalidPrice",
@@ -28,4 +30,5 @@ __all__ = [
     "SQLiteStore", "ApiKey", "BudgetEnforcer", "BudgetStatus", "CreatedKey", "KeyStore",
     "RateDecision", "RateLimiter", "Reservation", "CacheAdvisor", "Divergence", "KeyCacheReport",
     "common_prefix_len", "diagnose", "record_docs", "SuccessRow", "UsageRow", "export_csv", "export_focus_csv", "success_report", "usage_report",
+    "AutoRule", "Choice", "AUTO_GROUP_BY", "TargetChooser",
 ]
