@@ -27,7 +27,7 @@ from .apis import APIS, ROUTES
 from .batch_api import build_batch_router
 from .batch_store import BatchStore, BatchStoreUnavailable, new_id
 from .batch_worker import BatchWorker
-from .http import admin_only
+from .http import admin_only, json_response
 from .config import Config
 from .dashboard import Dashboard, build_dashboard_router
 from .drain import Drain, DrainingServer, close_within, default_instance_id
@@ -284,6 +284,14 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
         app.include_router(build_batch_router(gw.batch_store, gw.accounting, config.lanes.max_file_bytes,
                                               config.limits.max_body_bytes))
     app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
+
+    @app.get("/admin/auto", dependencies=[Depends(admin)])
+    async def auto_state() -> Response:
+        """`model: "auto"`: per task class, each target's graded counts and $ per solved, the incumbent and why."""
+        chooser = gw.models.chooser
+        return json_response({"enabled": chooser is not None, "name": gw.models.auto_name,
+                              "targets": list(chooser.targets) if chooser else [],
+                              "classes": chooser.state() if chooser else {}})
     inference = [Depends(api_key)]
 
     @app.get("/v1/responses/{response_id}", dependencies=inference)

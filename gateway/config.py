@@ -189,6 +189,7 @@ class AutoConfig(msgspec.Struct, forbid_unknown_fields=True):
     min_graded: int = 20               # graded tasks per target and class before it can win
     confidence: float = 0.95           # one-sided: a new target wins only when cheaper beyond noise
     refresh_s: float = 10.0            # how often the graded outcomes are read again from the ledger
+    max_classes: int = 64              # task classes learned apart; more names count as unlabelled
     window_s: float = 7 * 86400.0      # ... over this much of the past
 
     def __post_init__(self) -> None:

@@ -102,6 +102,7 @@ class ModelRegistry:
         self._random = random.Random(seed)
         self._seed = seed
         self._refresher: asyncio.Task[None] | None = None
+        self._classes: set[str] = set()
 
     # -- auto: the graded outcomes, read from the ledger ------------------------------------------
 
@@ -121,10 +122,13 @@ class ModelRegistry:
     async def refresh(self, accounting: "Accounting") -> None:
         """Read the graded outcomes per (task class, target) again: the chooser learns from every
         gateway's requests, and a restart loses nothing."""
+        from yieldgate.pricing import AUTO_GROUP_BY
+
         if self.chooser is None or accounting.ledger is None:
             return
         since = time.time() - self.config.auto.window_s
-        self.chooser.load(await accounting.ledger.success(group_by=("task", "target"), since=since))
+        ledger = await accounting.flushed_ledger()  # this gateway's latest records too
+        self.chooser.load(await ledger.success(group_by=AUTO_GROUP_BY, since=since))
 
     async def _refresh_every(self, accounting: "Accounting") -> None:
         while True:
@@ -150,7 +154,7 @@ class ModelRegistry:
         requested = reason = chosen_task = ""
         if self.auto_name and name == self.auto_name:
             assert self.chooser is not None
-            chosen_task = task or UNLABELLED
+            chosen_task = self._task_class(task)
             choice = self.chooser.choose(chosen_task)
             requested, reason, name = name, choice.reason, choice.target
         base, fast = (name[: -len(FAST_SUFFIX)], True) if name.endswith(FAST_SUFFIX) else (name, False)
@@ -166,6 +170,17 @@ class ModelRegistry:
             raise ModelNotFound(f"The model '{requested or name}' does not exist.", param="model")
         pool, adapter = found
         return Resolution(pool, name, adapter, requested, reason, chosen_task)
+
+    def _task_class(self, task: str) -> str:
+        """Clients name task classes, and each one is learned apart: past `auto.max_classes` of them,
+        a new name is learned as unlabelled."""
+        if not task:
+            return UNLABELLED
+        if task not in self._classes:
+            if len(self._classes) >= self.config.auto.max_classes:
+                return UNLABELLED
+            self._classes.add(task)
+        return task
 
     def _find(self, base: str) -> tuple[ModelPool, AdapterRoute | None] | None:
         pool = self.pools.get(base)

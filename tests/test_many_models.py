@@ -80,6 +80,13 @@ prod = "tiny-b"
 targets = [{{ model = "demo", weight = 1 }}, {{ model = "tiny-b", weight = 1 }}]
 sticky = false
 
+[auto]
+enabled = true
+targets = ["demo", "tiny-b"]
+min_graded = 3
+explore = 0.5
+refresh_s = 0.3
+
 [pricing.models.default.standard]
 input = "1.00"
 [pricing.models.default.fast]
@@ -116,7 +123,7 @@ def ask(oai: openai.OpenAI, model: str, **extra):
 
 def test_the_model_list_has_both_models_their_fast_tiers_and_aliases(oai):
     ids = [m.id for m in oai.models.list().data]
-    assert ids[:4] == ["demo", "demo:fast", "tiny-b", "gone"] and {"prod", "ab"} <= set(ids)
+    assert ids[:4] == ["demo", "demo:fast", "tiny-b", "gone"] and {"prod", "ab", "auto"} <= set(ids)
     assert oai.models.retrieve("tiny-b").id == "tiny-b"
 
 
@@ -185,3 +192,30 @@ def ledger_row(gateway, request_id: str, timeout: float = 20) -> dict[str, str]:
             assert len(rows) == 1, rows
             return rows[0]
         time.sleep(0.2)
+
+
+def test_auto_learns_the_cheapest_target_per_solved_task_from_graded_feedback(oai, gateway):
+    """demo never solves this class, tiny-b always does: once each has min_graded (3) graded tasks,
+    auto sends the class to tiny-b, says why, and records what it chose."""
+    auth = {"authorization": f"Bearer {ADMIN}"}
+    graded = collections.Counter()
+    for i in range(40):
+        headers, _ = ask(oai, "auto", extra_headers={"x-yieldgate-task": "t-auto", "x-request-id": f"auto-{i}"})
+        target = headers["x-yieldgate-model"]
+        assert headers["x-yieldgate-requested-model"] == "auto" and headers["x-yieldgate-auto"]
+        resp = httpx.post(gateway.url + "/v1/feedback", json={"request_id": f"auto-{i}", "passed": target == "tiny-b"})
+        assert resp.status_code == 200, resp.text
+        graded[target] += 1
+        if min(graded["demo"], graded["tiny-b"]) >= 3:
+            break
+        time.sleep(0.4)  # the gateway reads the outcomes again every 0.3 s
+    assert min(graded.values()) >= 3, graded
+    deadline = time.monotonic() + 10
+    while httpx.get(gateway.url + "/admin/auto", headers=auth).json()["classes"]["t-auto"].get("incumbent") != "tiny-b":
+        assert time.monotonic() < deadline, httpx.get(gateway.url + "/admin/auto", headers=auth).json()
+        time.sleep(0.3)
+    chosen = [ask(oai, "auto", extra_headers={"x-yieldgate-task": "t-auto"})[0] for _ in range(6)]
+    assert {h["x-yieldgate-model"] for h in chosen} == {"tiny-b"}, [h["x-yieldgate-auto"] for h in chosen]
+    assert all("$/solved" in h["x-yieldgate-auto"] for h in chosen)
+    row = ledger_row(gateway, "auto-0")
+    assert (row["requested_model"], row["task"]) == ("auto", "t-auto") and row["target"] in ("demo", "tiny-b")
