@@ -344,6 +344,23 @@ def gateway_workers() -> str:
             f"rate {p99['2_workers']['median']:,.0f} vs {p99['1_worker']['median']:,.0f} ms)")
 
 
+def many_models_overhead() -> str:
+    sm = load("many_models_overhead")["summary"]
+    x = lambda v: f"{v:.2f}×"  # noqa: E731
+
+    def mr(key: str) -> str:
+        r = sm[key]
+        return median_range([r["min"], r["median"], r["max"]], x)
+
+    cpu, idle = sm["cpu_us_per_request"], sm["idle_cpu_ms_per_s"]
+    us = lambda key: f"{cpu[key]['median']:,.0f}"  # noqa: E731
+    return (f"{bold(mr('ten_over_one_first'), sm['met']['first'])} with every request to the first model, "
+            f"{bold(mr('ten_over_one_spread'), sm['met']['spread'])} spread over the ten ({us('ten_first')} / "
+            f"{us('ten_spread')} vs {us('one')} µs at {sm['rate_rps']:,.0f} RPS; idle {idle['ten']['median']:.0f} vs "
+            f"{idle['one']['median']:.0f} ms CPU/s); same-config control {mr('control_over_one')}; "
+            f"{failed(sm['failed'])} (medians of {sm['ten_over_one_first']['n']} interleaved rounds)")
+
+
 def multihost() -> str:
     d = load("multihost")
     if "runs" not in d:  # one run, without its re-sent connections
@@ -686,6 +703,11 @@ BENCHMARKS = [
               run=["benchmarks/gateway_workers.py"],
               quick=["benchmarks/gateway_workers.py", "--quick", "--out", str(SCRATCH / "gateway_workers.json")],
               files=["gateway_workers"]),
+    Benchmark("many_models_overhead", "gateway CPU per request, 10 models configured vs 1, fake upstream",
+              "≤ 1.05×", "`python benchmarks/many_models_overhead.py` ([method](docs/benchmarks.md#many-models))",
+              many_models_overhead, run=["benchmarks/many_models_overhead.py"],
+              quick=["benchmarks/many_models_overhead.py", "--quick", "--out", str(SCRATCH / "many_models_overhead.json")],
+              files=["many_models_overhead"]),
     Benchmark("agent_corpus", "tokenizer parity with the engine, agent chats (tools, calls, results, developer, part arrays)",
               "100%", "`scripts/dev test -k agent_corpus`", agent_parity, files=["agent_corpus"],
               **suite("test_cache_tokenizer_parity.py")),
