@@ -276,7 +276,7 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     admin = admin_only(gw.accounting)
     app.include_router(build_admin_router(admin, gw.fleet, gw.engine_status, gw.accounting, gw.weights))
     app.include_router(build_intake_router(gw.weights.pushes))
-    app.include_router(build_adapters_router(gw.adapters, admin))
+    app.include_router(build_adapters_router({p.name: p.adapters for p in gw.models}, admin))
     app.include_router(build_adapter_push_router(gw.adapters, config.fleet, gw.weights.model_dir, admin))
     app.include_router(build_adapter_canary_router(gw.adapters, gw.canary_gate, admin))
     app.include_router(build_feedback_router(gw.accounting, api_key))

@@ -28,7 +28,9 @@ ADMIN = "many-models-admin"
 @pytest.fixture(scope="module")
 def engine_b(stack, tmp_path_factory):
     log = tmp_path_factory.mktemp("tiny-b") / "engine.log"
-    with running_engine(stack.model_dir, B_PORT, log, "--max-model-len", "1024", host=B_HOST,
+    with running_engine(stack.model_dir, B_PORT, log, "--max-model-len", "1024", "--enable-lora",
+                        "--max-lora-rank", "8", "--max-loras", "2", host=B_HOST,
+                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
                         served_name="tiny-b", reuse_env="YIELDGATE_TEST_TINY_B") as url:
         yield url
 
@@ -219,3 +221,28 @@ def test_auto_learns_the_cheapest_target_per_solved_task_from_graded_feedback(oa
     assert all("$/solved" in h["x-yieldgate-auto"] for h in chosen)
     row = ledger_row(gateway, "auto-0")
     assert (row["requested_model"], row["task"]) == ("auto", "t-auto") and row["target"] in ("demo", "tiny-b")
+
+
+def test_an_adapter_of_the_second_model_is_served_by_its_engines_only(oai, gateway, stack, tmp_path):
+    from pathlib import Path
+
+    from yieldgate.serving.peft import random_adapter
+
+    admin = httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=120)
+    path = random_adapter(Path(stack.model_dir), tmp_path / "b-lora", seed=5)
+    body = {"name": "b-lora", "version": "v1", "path": str(path), "model": "tiny-b"}
+    assert admin.post("/admin/adapters", json={**body, "model": "nowhere"}).status_code == 400
+    made = admin.post("/admin/adapters", json=body)
+    assert made.status_code == 201, made.text
+    assert made.json()["base"] == "tiny-b" and set(made.json()["replicas"]) == {"b-0"}
+    # One name, one adapter: the same name on the first model is refused.
+    assert admin.post("/admin/adapters", json={**body, "model": "demo"}).status_code == 409
+    card = oai.models.retrieve("b-lora")
+    assert card.model_extra["parent"] == "tiny-b"
+    for _ in range(3):
+        headers, answer = ask(oai, "b-lora")
+        assert headers["x-yieldgate-replica"] == "b-0" and headers["x-yieldgate-weight-version"] == "b-lora@v1"
+    assert [a["name"] for a in admin.get("/admin/adapters").json()["data"]] == ["b-lora"]
+    assert admin.delete("/admin/adapters/b-lora").json()["deleted"]
+    with pytest.raises(openai.NotFoundError):
+        ask(oai, "b-lora")
