@@ -340,7 +340,8 @@ class BatchStore:
         """in_progress -> cancelling (the workers stop claiming and close it); others unchanged."""
         await self._run("execute", "UPDATE yg_batch SET status = 'cancelling', cancelling_at = $2 "
                                    "WHERE id = $1 AND status IN ('validating', 'in_progress')", batch_id, time.time())
-        return await self.get_batch(batch_id)
+        r = await self._run("fetchrow", "SELECT * FROM yg_batch WHERE id = $1", batch_id)
+        return None if r is None else BatchRow(**dict(r))
 
     async def active(self) -> list[BatchRow]:
         rows = await self._run("fetch", "SELECT * FROM yg_batch WHERE status IN ('in_progress', 'cancelling', "
