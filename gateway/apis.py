@@ -21,7 +21,7 @@ from .errors import (APIError, anthropic_error_body, anthropic_error_response, a
 from .schemas import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                       ResponsesRequest)
 from .sse import DONE, EVENT_END, data_event, events
-from .tiers import response_service_tier
+from .tiers import BATCH, response_service_tier
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder(decimal_format="number").encode
@@ -227,7 +227,8 @@ class MessagesApi(Api):
         wire = answer.get("usage")
         if isinstance(wire, dict):
             wire["cache_read_input_tokens"] = usage.cached_tokens
-            wire["service_tier"] = _ANTHROPIC_SERVICE_TIER.get(ctx.tier, "standard")
+            # A Message Batches line says "batch", as Anthropic's do.
+            wire["service_tier"] = BATCH if ctx.lane == BATCH else _ANTHROPIC_SERVICE_TIER.get(ctx.tier, "standard")
             wire.update(extra)
 
     def error(self, exc: APIError) -> Response:

@@ -34,6 +34,7 @@ from .drain import Drain, DrainingServer, close_within, default_instance_id
 from .errors import APIError, InternalError, ModelNotFound, error_response
 from .exchange import Pipeline
 from .health import build_health_router
+from .message_batches import build_message_batch_router
 from .openapi import install as install_openapi
 from .metrics import MULTIPROCESS, GatewayMetrics
 from .proxy import Proxy
@@ -95,7 +96,7 @@ class Gateway:
             self.pipeline.tracing = Tracing(config.tracing, self.instance_id)
         self.proxy = Proxy(self.pipeline, self.drain, self.instance_id)
         self.weights = weight_orchestrator(self.fleet, self.routing.forget_cached)
-        # The Batch API: its files and jobs in PostgreSQL, its lines run by every gateway's worker.
+        # The Batch and Message Batches APIs: files and jobs in PostgreSQL, lines run by every gateway's worker.
         self.batch_store: BatchStore | None = None
         self.batch_worker: BatchWorker | None = None
         if config.server.postgres_url and config.lanes.batch:
@@ -282,7 +283,8 @@ def create_app(config: Config, supervisor: Supervisor | None = None) -> GatewayA
     app.include_router(build_feedback_router(gw.accounting, api_key))
     if gw.batch_store is not None:
         app.include_router(build_batch_router(gw.batch_store, gw.accounting, config.lanes.max_file_bytes,
-                                              config.limits.max_body_bytes))
+                                              config.limits.max_body_bytes, config.lanes.max_batch_requests))
+        app.include_router(build_message_batch_router(gw.batch_store, gw.accounting, config.limits, config.lanes))
     app.include_router(build_dashboard_router(gw.dashboard, config.server.require_keys, admin))
 
     @app.get("/admin/auto", dependencies=[Depends(admin)])

@@ -1,7 +1,8 @@
 """OpenAI's Files and Batches APIs (`/v1/files`, `/v1/batches`), as the official client calls them:
 upload a JSONL file of requests with purpose `batch`, create a batch over it, follow its status,
 read its output and error files. State lives in PostgreSQL (gateway/batch_store.py); the lines run
-through the request pipeline at batch priority (gateway/batch_worker.py). docs/batch.md.
+through the request pipeline at batch priority (gateway/batch_worker.py). docs/batch.md. Anthropic's
+Message Batches (gateway/message_batches.py) share the store, the worker and the helpers here.
 
 A key sees only its own files and batches (another's are 404); the admin credential sees all.
 """
@@ -54,16 +55,20 @@ class Authenticator(Protocol):
     async def authenticate_header(self, raw: bytes | None) -> ApiKey | None: ...
 
 
-def batch_principal(auth: Authenticator) -> Callable[[Request], Any]:
-    """The routes' dependency: an API key or the admin token; batch endpoints always need one."""
+def batch_principal(auth: Authenticator, x_api_key: bool = False,
+                    refusal: str = "The Files and Batches APIs need an API key: send 'Authorization: Bearer yg-...'."
+                    ) -> Callable[[Request], Any]:
+    """The routes' dependency: an API key or the admin token; batch endpoints always need one.
+    `x_api_key`: also as Anthropic's clients send it (`x-api-key`), as on the Messages route."""
     async def principal(request: Request) -> Principal:
         raw = request.headers.get("authorization")
+        if x_api_key and "x-api-key" in request.headers:
+            raw = "Bearer " + request.headers["x-api-key"]
         if auth.is_admin_token(bearer_token(raw)):
             return Principal(owner="admin", admin=True)
         key = await auth.authenticate_header(raw.encode("latin-1") if raw else None)
         if key is None:
-            raise AuthenticationError("The Files and Batches APIs need an API key: send "
-                                      "'Authorization: Bearer yg-...'.")
+            raise AuthenticationError(refusal)
         return Principal(owner=key.id, key=key)
 
     return principal
@@ -88,6 +93,37 @@ def line_error(custom_id: str | None, code: str, message: str, line: int | None 
                     "error": {"code": code, "message": message, **({"line": line} if line is not None else {})}})
 
 
+class ResultLines(Protocol):
+    """How a job's API writes a line's result (the worker writes one per line, once)."""
+
+    def answered(self, custom_id: str, request_id: str, status: int, body: bytes) -> bytes:
+        """The route's answer (status, body) to the line."""
+        ...
+
+    def closed(self, custom_id: str, why: str, cut_off: bool) -> bytes:
+        """A line the job's cancel or expiry (`why`: "cancelled", "expired") ended unanswered;
+        `cut_off`: it was running then, and is not billed."""
+        ...
+
+
+_CLOSED = {"cancelled": ("batch_cancelled", "The batch was cancelled before this line ran."),
+           "expired": ("batch_expired", "The batch expired before this line ran.")}
+
+
+class BatchResultLines:
+    """OpenAI's output and error file lines: `{"id", "custom_id", "response": {"status_code",
+    "request_id", "body"}, "error"}`."""
+
+    def answered(self, custom_id: str, request_id: str, status: int, body: bytes) -> bytes:
+        return (b'{"id":"%s","custom_id":%s,"response":{"status_code":%d,"request_id":"%s","body":%s},"error":null}'
+                % (request_id.encode(), _encode(custom_id), status, request_id.encode(), body))
+
+    def closed(self, custom_id: str, why: str, cut_off: bool) -> bytes:
+        code, message = _CLOSED[why]
+        return line_error(custom_id, code, message + (" It was cut off while running and is not billed."
+                                                       if cut_off else ""))
+
+
 def prefix_key(kind: str, body: dict[str, Any]) -> int:
     """What a line shares with its neighbours: the messages before the last one (system prompt,
     shared documents), or the start of a completion prompt. Lines are claimed in this order so
@@ -95,6 +131,9 @@ def prefix_key(kind: str, body: dict[str, Any]) -> int:
     if kind == "completions":
         shared: Any = body.get("prompt")
         shared = shared[:2048] if isinstance(shared, str) else shared
+    elif kind == "messages":  # Anthropic's system prompt is beside the messages
+        messages = body.get("messages")
+        shared = [body.get("system"), body.get("tools"), messages[:-1] if isinstance(messages, list) else None]
     elif kind == "responses":
         shared = [body.get("instructions"), body.get("input")[:-1] if isinstance(body.get("input"), list) else None]
     else:
@@ -149,7 +188,8 @@ def parse_line(raw: bytes | None, n: int, endpoint: str) -> NewLine:
     return NewLine(n, custom_id, _encode(body), prefix_key(kind, body), "pending")
 
 
-def build_batch_router(store: BatchStore, auth: Authenticator, max_file_bytes: int, max_line_bytes: int) -> APIRouter:
+def build_batch_router(store: BatchStore, auth: Authenticator, max_file_bytes: int, max_line_bytes: int,
+                       max_lines: int) -> APIRouter:
     router = APIRouter()
     principal = batch_principal(auth)
 
@@ -275,6 +315,9 @@ def build_batch_router(store: BatchStore, auth: Authenticator, max_file_bytes: i
             async for raw in read_lines(store.file_content(f), max_line_bytes):
                 if raw is not None and not raw.strip():
                     continue
+                if n >= max_lines:
+                    raise InvalidRequest(f"The input file has more than {max_lines} request lines.",
+                                         param="input_file_id", code="too_many_lines")
                 group.append(parse_line(raw, n, spec.endpoint))
                 n += 1
                 if len(group) >= LINES_PER_INSERT:
@@ -296,7 +339,7 @@ def build_batch_router(store: BatchStore, auth: Authenticator, max_file_bytes: i
     async def list_batches(limit: int = 20, after: str | None = None,
                            who: Principal = Depends(principal)) -> Response:
         check_limit(limit)
-        rows = await store.list_batches(None if who.admin else who.owner, after, limit)
+        rows = await store.list_batches(None if who.admin else who.owner, limit, after=after)
         return page([await batch_object(b) for b in rows[:limit]] + [{}] * (len(rows) > limit), limit)
 
     @router.get("/v1/batches/{batch_id}")

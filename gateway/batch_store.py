@@ -1,11 +1,12 @@
-"""The Batch API's state in PostgreSQL, shared by every gateway and kept across their restarts:
-uploaded files (in chunks, never whole in memory), batch jobs, and one row per input line that
-carries its claim (a lease), its output line and its ledger record (docs/batch.md).
+"""The batch APIs' state in PostgreSQL, shared by every gateway and kept across their restarts:
+uploaded files (in chunks, never whole in memory), batch jobs (OpenAI's Batch API and Anthropic's
+Message Batches, `api`), and one row per input line that carries its claim (a lease), its result
+line and its ledger record (docs/batch.md).
 
 Exactly once: a line is claimed with FOR UPDATE SKIP LOCKED under a lease its gateway renews; its
 result and its ledger record are written in one UPDATE that only the lease holder can make, so a
 line re-claimed after its gateway died is answered once, by whoever finishes it. Output and error
-files are views over the lines: their content is read from the rows, in line order.
+files, and a message batch's results, are views over the lines: read from the rows, in line order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CHUNK_BYTES = 1024 * 1024        # a file's chunk row
 LINES_PER_PAGE = 500             # output lines read per round trip
 ACTIVE = ("in_progress", "cancelling", "finalizing")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+OPENAI, ANTHROPIC = "openai", "anthropic"   # the API a job was created through (yg_batch.api)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS yg_file (
@@ -59,6 +61,9 @@ CREATE TABLE IF NOT EXISTS yg_batch_line (
 CREATE UNIQUE INDEX IF NOT EXISTS yg_batch_line_custom_id ON yg_batch_line (batch_id, custom_id);
 CREATE INDEX IF NOT EXISTS yg_batch_line_todo ON yg_batch_line (batch_id, prefix, line)
     WHERE state IN ('pending', 'running');
+-- Message Batches beside the Batch API; a line its job's cancel or expiry closed says which.
+ALTER TABLE yg_batch ADD COLUMN IF NOT EXISTS api text NOT NULL DEFAULT 'openai';
+ALTER TABLE yg_batch_line ADD COLUMN IF NOT EXISTS closed text;
 """
 _ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
@@ -108,14 +113,17 @@ class BatchRow(msgspec.Struct, kw_only=True):
     error_file_id: str | None = None
     metadata: str | None = None
     total: int = 0
+    api: str = OPENAI
 
 
 @dataclass(slots=True)
 class LineCounts:
     total: int = 0
     completed: int = 0
-    failed: int = 0
+    failed: int = 0     # answered with an error, or closed unanswered by the job's cancel or expiry
     open: int = 0       # pending or running
+    cancelled: int = 0  # of `failed`: closed by the job's cancel
+    expired: int = 0    # of `failed`: closed by the job's expiry
 
 
 @dataclass(slots=True)
@@ -238,16 +246,21 @@ class BatchStore:
                     yield bytes(r["data"])
                 seq += len(rows)
         else:
-            state = "done" if file.kind == "batch_output" else "failed"
-            last = -1
-            while True:
-                rows = await self._run(
-                    "fetch", "SELECT line, result FROM yg_batch_line WHERE batch_id = $1 AND state = $2 "
-                    "AND line > $3 ORDER BY line LIMIT $4", file.batch_id, state, last, LINES_PER_PAGE)
-                if not rows:
-                    return
-                yield b"".join(bytes(r["result"]) + b"\n" for r in rows)
-                last = rows[-1]["line"]
+            assert file.batch_id is not None
+            async for page in self.results(file.batch_id, ["done" if file.kind == "batch_output" else "failed"]):
+                yield page
+
+    async def results(self, batch_id: str, states: Sequence[str] = ("done", "failed")) -> AsyncIterator[bytes]:
+        """The result lines of a job's lines in `states`, in line order, a page per round trip."""
+        last = -1
+        while True:
+            rows = await self._run(
+                "fetch", "SELECT line, result FROM yg_batch_line WHERE batch_id = $1 AND state = ANY($2::text[]) "
+                "AND line > $3 ORDER BY line LIMIT $4", batch_id, list(states), last, LINES_PER_PAGE)
+            if not rows:
+                return
+            yield b"".join(bytes(r["result"]) + b"\n" for r in rows)
+            last = rows[-1]["line"]
 
     # -- batches -----------------------------------------------------------------------------------
 
@@ -265,44 +278,70 @@ class BatchStore:
                 if batch.total:
                     await conn.execute(
                         "INSERT INTO yg_batch (id, owner, key_id, input_file_id, endpoint, completion_window, "
-                        "status, created_at, expires_at, in_progress_at, metadata, total) "
-                        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+                        "status, created_at, expires_at, in_progress_at, metadata, total, api) "
+                        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
                         batch.id, batch.owner, batch.key_id, batch.input_file_id, batch.endpoint,
                         batch.completion_window, batch.status, batch.created_at, batch.expires_at,
-                        batch.in_progress_at, batch.metadata, batch.total)
+                        batch.in_progress_at, batch.metadata, batch.total, batch.api)
         except asyncpg.UniqueViolationError as e:
             raise DuplicateCustomId(str(e)) from None
         except _ERRORS as e:
             raise BatchStoreUnavailable(f"batch store (PostgreSQL): {e}") from e
         return batch
 
-    async def get_batch(self, batch_id: str) -> BatchRow | None:
-        r = await self._run("fetchrow", "SELECT * FROM yg_batch WHERE id = $1", batch_id)
+    async def get_batch(self, batch_id: str, api: str = OPENAI) -> BatchRow | None:
+        """A job created through `api` (each API sees only its own)."""
+        r = await self._run("fetchrow", "SELECT * FROM yg_batch WHERE id = $1 AND api = $2", batch_id, api)
         return None if r is None else BatchRow(**dict(r))
 
-    async def list_batches(self, owner: str | None, after: str | None, limit: int) -> list[BatchRow]:
-        args: list[Any] = [owner, limit + 1]
-        cursor = ""
-        if after:
-            args.append(after)
-            cursor = " AND (created_at, id) < (SELECT created_at, id FROM yg_batch WHERE id = $3)"
-        rows = await self._run("fetch", "SELECT * FROM yg_batch WHERE ($1::text IS NULL OR owner = $1)"
-                                        f"{cursor} ORDER BY created_at DESC, id DESC LIMIT $2", *args)
-        return [BatchRow(**dict(r)) for r in rows]
+    async def list_batches(self, owner: str | None, limit: int, *, api: str = OPENAI, after: str | None = None,
+                           before: str | None = None) -> list[BatchRow]:
+        """Up to `limit` + 1 jobs, newest first: those older than `after`, or the newest ones just
+        newer than `before` (the extra one tells there are more)."""
+        args: list[Any] = [owner, api, limit + 1]
+        cursor, order = "", "DESC"
+        if after or before:
+            args.append(after or before)
+            cursor = (f" AND (created_at, id) {'<' if after else '>'} "
+                      "(SELECT created_at, id FROM yg_batch WHERE id = $4)")
+            order = "DESC" if after else "ASC"
+        rows = await self._run("fetch", "SELECT * FROM yg_batch WHERE ($1::text IS NULL OR owner = $1) AND api = $2"
+                                        f"{cursor} ORDER BY created_at {order}, id {order} LIMIT $3", *args)
+        batches = [BatchRow(**dict(r)) for r in rows]
+        if order == "ASC":  # the page nearest the cursor, shown newest first; its extra one is the newest
+            batches = batches[:limit][::-1] + batches[limit:]
+        return batches
+
+    async def delete_batch(self, batch_id: str) -> bool:
+        """A closed job and its lines (their ledger records are in the ledger); False if it is open."""
+        try:
+            async with self.pool.acquire() as conn, conn.transaction():
+                status = await conn.fetchval("DELETE FROM yg_batch WHERE id = $1 AND status = ANY($2::text[]) "
+                                             "RETURNING status", batch_id, list(TERMINAL))
+                if status is None:
+                    return False
+                await conn.execute("DELETE FROM yg_batch_line WHERE batch_id = $1", batch_id)
+                await conn.execute("UPDATE yg_file SET deleted = true WHERE batch_id = $1", batch_id)
+        except _ERRORS as e:
+            raise BatchStoreUnavailable(f"batch store (PostgreSQL): {e}") from e
+        return True
 
     async def counts(self, batch_id: str) -> LineCounts:
         r = await self._run(
             "fetchrow", "SELECT count(*) AS total, count(*) FILTER (WHERE state = 'done') AS completed, "
             "count(*) FILTER (WHERE state = 'failed') AS failed, "
-            "count(*) FILTER (WHERE state IN ('pending', 'running')) AS open FROM yg_batch_line WHERE batch_id = $1",
+            "count(*) FILTER (WHERE state IN ('pending', 'running')) AS open, "
+            "count(*) FILTER (WHERE closed = 'cancelled') AS cancelled, "
+            "count(*) FILTER (WHERE closed = 'expired') AS expired FROM yg_batch_line WHERE batch_id = $1",
             batch_id)
-        return LineCounts(r["total"], r["completed"], r["failed"], r["open"])
+        return LineCounts(r["total"], r["completed"], r["failed"], r["open"], r["cancelled"], r["expired"])
 
     async def cancel(self, batch_id: str) -> BatchRow | None:
         """in_progress -> cancelling (the workers stop claiming and close it); others unchanged."""
         await self._run("execute", "UPDATE yg_batch SET status = 'cancelling', cancelling_at = $2 "
                                    "WHERE id = $1 AND status IN ('validating', 'in_progress')", batch_id, time.time())
-        return await self.get_batch(batch_id)
+        r = await self._run("fetchrow", "SELECT * FROM yg_batch WHERE id = $1", batch_id)
+        return None if r is None else BatchRow(**dict(r))
 
     async def active(self) -> list[BatchRow]:
         rows = await self._run("fetch", "SELECT * FROM yg_batch WHERE status IN ('in_progress', 'cancelling', "
@@ -331,13 +370,14 @@ class BatchStore:
                         [b for b, _ in lines], [line for _, line in lines])
 
     async def finish_line(self, batch_id: str, line: int, owner: str, ok: bool, result: bytes,
-                          record: bytes | None) -> bool:
+                          record: bytes | None, closed: str | None = None) -> bool:
         """Write a line's result (and ledger record) once: False if its lease was lost meanwhile
-        (another gateway re-claimed it; its answer is the one kept)."""
+        (another gateway re-claimed it; its answer is the one kept). `closed`: cut off by the
+        job's cancel or expiry ("cancelled", "expired")."""
         status = await self._run(
-            "execute", "UPDATE yg_batch_line SET state = $4, result = $5, record = $6, lease_owner = NULL "
-            "WHERE batch_id = $1 AND line = $2 AND state = 'running' AND lease_owner = $3",
-            batch_id, line, owner, "done" if ok else "failed", result, record)
+            "execute", "UPDATE yg_batch_line SET state = $4, result = $5, record = $6, closed = $7, "
+            "lease_owner = NULL WHERE batch_id = $1 AND line = $2 AND state = 'running' AND lease_owner = $3",
+            batch_id, line, owner, "done" if ok else "failed", result, record, closed)
         return status.endswith(" 1")
 
     async def release(self, batch_id: str, line: int, owner: str, counts: bool = False) -> None:
@@ -346,18 +386,18 @@ class BatchStore:
                                    "attempts = attempts - $4 WHERE batch_id = $1 AND line = $2 AND "
                                    "state = 'running' AND lease_owner = $3", batch_id, line, owner, 0 if counts else 1)
 
-    async def close_open_lines(self, batch_id: str, results: Any) -> int:
-        """Cancelled or expired: every line nobody holds fails with `results(custom_id, line)`."""
+    async def close_open_lines(self, batch_id: str, closed: str, results: Any) -> int:
+        """Cancelled or expired (`closed`): every line nobody holds fails with `results(custom_id, line)`."""
         now = time.time()
         rows = await self._run("fetch", "SELECT line, custom_id FROM yg_batch_line WHERE batch_id = $1 AND "
                                         "(state = 'pending' OR (state = 'running' AND lease_until < $2))",
                                batch_id, now)
         if not rows:
             return 0
-        await self._run("executemany", "UPDATE yg_batch_line SET state = 'failed', result = $3, lease_owner = NULL "
-                                       "WHERE batch_id = $1 AND line = $2 AND (state = 'pending' OR "
-                                       "(state = 'running' AND lease_until < $4))",
-                        [(batch_id, r["line"], results(r["custom_id"], r["line"]), now) for r in rows])
+        await self._run("executemany", "UPDATE yg_batch_line SET state = 'failed', result = $3, closed = $5, "
+                                       "lease_owner = NULL WHERE batch_id = $1 AND line = $2 AND (state = 'pending' "
+                                       "OR (state = 'running' AND lease_until < $4))",
+                        [(batch_id, r["line"], results(r["custom_id"], r["line"]), now, closed) for r in rows])
         return len(rows)
 
     async def records(self, batch_id: str) -> AsyncIterator[list[bytes]]:
@@ -373,8 +413,8 @@ class BatchStore:
             last = rows[-1]["line"]
 
     async def finalize(self, batch_id: str, status: str) -> bool:
-        """Close a job whose lines are all answered: its output and error files, its final status.
-        False when another gateway closed it first or a line is still open."""
+        """Close a job whose lines are all answered: its final status, and for a Batch API job its
+        output and error files. False when another gateway closed it first or a line is still open."""
         now = time.time()
         try:
             async with self.pool.acquire() as conn, conn.transaction():
@@ -388,6 +428,9 @@ class BatchStore:
                     return False
                 files: dict[str, str | None] = {}
                 for kind, state in (("batch_output", "done"), ("batch_error", "failed")):
+                    if row["api"] != OPENAI:  # a message batch's results are read from its lines
+                        files[kind] = None
+                        continue
                     size, n = await conn.fetchrow(
                         "SELECT coalesce(sum(octet_length(result) + 1), 0), count(*) FROM yg_batch_line "
                         "WHERE batch_id = $1 AND state = $2", batch_id, state)

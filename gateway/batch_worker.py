@@ -1,7 +1,8 @@
 """The batch worker: every gateway runs one. It claims lines of the open batch jobs in
 PostgreSQL (gateway/batch_store.py), as many as the engines have headroom for (gateway/lanes.py),
 sends each through the one request pipeline (gateway/exchange.py) at batch priority and price,
-and writes each line's answer and ledger record once. docs/batch.md.
+and writes each line's answer (in the shape of the API its job came through: OpenAI's Batch API,
+Anthropic's Message Batches) and ledger record once. docs/batch.md.
 
 Exactly once, through a gateway's death: a line's ledger record is built by the pipeline's end as
 for any request, but handed here instead of to the ledger (`ctx.record_sink`); it is stored with
@@ -23,11 +24,13 @@ import msgspec
 
 from yieldgate.pricing import ApiKey, KeyNotFound, LedgerError, LedgerRecord, StoreUnavailable
 
-from .batch_api import BATCH_ENDPOINTS, line_error
-from .batch_store import BatchRow, BatchStore, BatchStoreUnavailable, Claimed, new_id
+from .apis import APIS, ROUTES
+from .batch_api import BatchResultLines, ResultLines
+from .batch_store import ANTHROPIC, OPENAI, BatchRow, BatchStore, BatchStoreUnavailable, Claimed, new_id
 from .config import LaneConfig
-from .errors import APIError, QuotaExceeded, ServiceUnavailable, TooManyRequests, UpstreamError, error_body
+from .errors import APIError, InternalError, QuotaExceeded, ServiceUnavailable, TooManyRequests, UpstreamError
 from .exchange import Pipeline
+from .message_batches import MessageBatchResultLines
 from .proxy import Proxy
 from .tiers import BATCH, STANDARD
 
@@ -37,8 +40,8 @@ _RECORD = msgspec.json.Decoder(LedgerRecord)
 # Failures that say "not now" rather than "this line is wrong": the line goes back to the queue.
 _LATER = (ServiceUnavailable, UpstreamError)
 MAX_ATTEMPTS = 5
-_CLOSED_BY = {"cancelling": ("cancelled", "batch_cancelled", "The batch was cancelled before this line ran."),
-              "expired": ("expired", "batch_expired", "The batch expired before this line ran.")}
+# A job's result lines in the shape of the API it was created through.
+RESULT_LINES: dict[str, ResultLines] = {OPENAI: BatchResultLines(), ANTHROPIC: MessageBatchResultLines()}
 
 
 class _Later(Exception):
@@ -107,7 +110,7 @@ class BatchWorker:
         self._stopping &= {b.id for b in active}  # closed meanwhile, perhaps by another gateway
         for batch in active:
             if batch.status == "cancelling":
-                await self._close(batch, "cancelling")
+                await self._close(batch, "cancelled")
             elif time.time() >= batch.expires_at:
                 await self._close(batch, "expired")
             else:
@@ -130,17 +133,17 @@ class BatchWorker:
         self._wake.set()  # room for another line
 
     async def _close(self, batch: BatchRow, why: str) -> None:
-        """Cancelled or expired: lines nobody runs fail with the reason; once the running ones are
-        answered (they finish, billed for what ran), the job closes."""
-        status, code, message = _CLOSED_BY[why]
+        """Cancelled or expired (`why`): lines nobody runs fail with the reason; in-flight ones are
+        cut off (not billed); once none is open, the job closes."""
         if batch.id not in self._stopping:  # stop within seconds, whatever the lines' max_tokens
             self._stopping.add(batch.id)
             for (batch_id, _), task in list(self.running.items()):
                 if batch_id == batch.id:
                     task.cancel()
-        await self.store.close_open_lines(batch.id, lambda custom_id, _line: line_error(custom_id, code, message))
+        lines = RESULT_LINES[batch.api]
+        await self.store.close_open_lines(batch.id, why, lambda custom_id, _line: lines.closed(custom_id, why, False))
         if (await self.store.counts(batch.id)).open == 0:
-            await self._finish(batch, status)
+            await self._finish(batch, why)
             self._stopping.discard(batch.id)
 
     async def _finish(self, batch: BatchRow, status: str) -> None:
@@ -162,6 +165,7 @@ class BatchWorker:
     async def _line(self, batch: BatchRow, claimed: Claimed) -> None:
         request_id = new_id("batch_req_")
         records: list[LedgerRecord] = []
+        lines = RESULT_LINES[batch.api]
         try:
             status, body = await self._send(batch, claimed, request_id, records)
         except _Later as later:
@@ -171,16 +175,14 @@ class BatchWorker:
             if batch.id not in self._stopping:
                 raise  # the gateway stops: close() gives the line back
             # Cut off by the job's cancel or expiry: nothing of it is delivered, nothing billed.
-            _, code, message = _CLOSED_BY["cancelling" if time.time() < batch.expires_at else "expired"]
+            why = "cancelled" if time.time() < batch.expires_at else "expired"
             await self.store.finish_line(batch.id, claimed.line, self.owner, False,
-                                         line_error(claimed.custom_id, code, message + " It was cut off while "
-                                                    "running and is not billed."), None)
+                                         lines.closed(claimed.custom_id, why, True), None, closed=why)
             return
         except Exception:
             log.exception("batch %s line %d failed", batch.id, claimed.line)
-            status, body = 500, error_body("Internal gateway error.", "server_error", None, "internal_error")
-        line = (b'{"id":"%s","custom_id":%s,"response":{"status_code":%d,"request_id":"%s","body":%s},"error":null}'
-                % (request_id.encode(), _encode(claimed.custom_id), status, request_id.encode(), body))
+            status, body = self._error(batch, InternalError("Internal gateway error."))
+        line = lines.answered(claimed.custom_id, request_id, status, body)
         record = records[0] if records else None
         kept = await self.store.finish_line(batch.id, claimed.line, self.owner, status == 200, line,
                                             _encode(record) if record is not None else None)
@@ -195,12 +197,12 @@ class BatchWorker:
         """The line through the pipeline, as its key would send it: (HTTP status, answer body)."""
         try:
             key = await self._key(batch.key_id)
-            exchange = self.pipeline.open(BATCH_ENDPOINTS[batch.endpoint], {b"x-request-id": request_id.encode()},
+            exchange = self.pipeline.open(ROUTES[batch.endpoint], {b"x-request-id": request_id.encode()},
                                           claimed.body, key, lane=BATCH)
         except _LATER as exc:
-            return self._later(claimed, exc)
+            return self._later(batch, claimed, exc)
         except APIError as exc:
-            return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+            return self._error(batch, exc)
         ctx = exchange.ctx
         ctx.batch_id = batch.id
         ctx.record_sink = records.append
@@ -209,26 +211,32 @@ class BatchWorker:
             response = await self.proxy.unary(exchange)
             return response.status_code, bytes(response.body)
         except QuotaExceeded as exc:  # over budget: this line fails, the job goes on
-            return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+            return self._error(batch, exc)
         except TooManyRequests as exc:  # the key's RPM/TPM: every line waits, none fails
             self._backoff_until = time.monotonic() + float(exc.headers.get("retry-after", "1"))
             raise _Later(counts=False) from None
         except _LATER as exc:
-            return self._later(claimed, exc)
+            return self._later(batch, claimed, exc)
         except APIError as exc:
-            return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+            return self._error(batch, exc)
         except asyncio.CancelledError:
             exchange.end("cancelled")  # not an estimated status: a line cut off is not billed
             raise
         finally:
             exchange.end("error")  # a no-op once the answer ended it
 
-    @staticmethod
-    def _later(claimed: Claimed, exc: APIError) -> tuple[int, bytes]:
+    @classmethod
+    def _later(cls, batch: BatchRow, claimed: Claimed, exc: APIError) -> tuple[int, bytes]:
         """Back to the queue while it has tries left, else its error is the line's answer."""
         if claimed.attempts < MAX_ATTEMPTS:
             raise _Later(counts=True) from None
-        return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+        return cls._error(batch, exc)
+
+    @staticmethod
+    def _error(batch: BatchRow, exc: APIError) -> tuple[int, bytes]:
+        """The error as the line's route answers it (status, body in its API's shape)."""
+        response = APIS[ROUTES[batch.endpoint]].error(exc)
+        return response.status_code, bytes(response.body)
 
     async def _key(self, key_id: str) -> ApiKey | None:
         """The batch's API key as it is now (budget, limits; a revoked key runs nothing more)."""

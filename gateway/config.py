@@ -109,11 +109,14 @@ class LaneConfig(msgspec.Struct, forbid_unknown_fields=True):
     batch: bool = True                 # run the Batch API and its worker (needs server.postgres_url)
     batch_poll_s: float = 1.0          # how often an idle worker looks for work
     batch_lease_s: float = 30.0        # a claimed line returns to the queue if its lease is not renewed
-    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_bytes: int = 200 * 1024 * 1024   # an upload; a Message Batches create body, too
+    max_batch_requests: int = 100_000          # lines of one job (Anthropic's limit for a message batch)
 
     def __post_init__(self) -> None:
         if self.batch_lines_per_replica < 1 or self.batch_lease_s <= 0 or self.batch_poll_s <= 0:
             raise ValueError("lanes.batch_lines_per_replica, batch_lease_s and batch_poll_s must be > 0")
+        if self.max_batch_requests < 1:
+            raise ValueError("lanes.max_batch_requests must be >= 1")
         if min(self.flex_priority, self.batch_priority) < 1:
             raise ValueError("lanes.flex_priority and lanes.batch_priority must be >= 1 (0 is interactive)")
 
