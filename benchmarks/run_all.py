@@ -361,6 +361,13 @@ def many_models_overhead() -> str:
             f"{failed(sm['failed'])} (medians of {sm['ten_over_one_first']['n']} interleaved rounds)")
 
 
+def auto_decision() -> str:
+    sm = load("auto_decision")["summary"]
+    us = lambda key: median_range([sm[key]["min"], sm[key]["median"], sm[key]["max"]], lambda v: f"{v:.2f} µs")  # noqa: E731
+    return (f"choose {bold(us('choose_cpu_us'), sm['goal_met'])} CPU; a graded outcome (re-decides its class) "
+            f"{us('observe_cpu_us')} ({sm['choose_cpu_us']['n']} runs, 10 targets × 20 task classes)")
+
+
 def multihost() -> str:
     d = load("multihost")
     if "runs" not in d:  # one run, without its re-sent connections
@@ -740,6 +747,9 @@ BENCHMARKS = [
     Benchmark("ledger_postgres", "ledger into one PostgreSQL (LiteLLM: 6.3 KB a spend row)",
               "≥ 10,000 rows/s; ≤ 400 B a row; 0 lost, 0 doubled", "`python benchmarks/ledger_postgres.py`",
               ledger_postgres, run=["benchmarks/ledger_postgres.py"], files=["ledger_postgres"]),
+    Benchmark("auto_decision", "`model: \"auto\"`: CPU per routing decision, 10 targets × 20 task classes",
+              "≤ 200 µs", "`python benchmarks/auto_decision.py`", auto_decision,
+              run=["benchmarks/auto_decision.py"], files=["auto_decision"]),
     Benchmark("posttrain_loop", "post-training loop on graded traffic, SmolLM2 (held-out success, 90% interval; $ per solved task)",
               "≥ 2× the base's success (+30 points above 30%) and ≤ 0.5× its $ per solved, at the 90% bounds, in ≤ 3 rounds; a round ≤ 10 min",
               "`python benchmarks/posttrain_loop.py`", posttrain_loop, run=["benchmarks/posttrain_loop.py"],
