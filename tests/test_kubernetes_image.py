@@ -79,7 +79,7 @@ def test_image_serves_the_charts_config(image, tmp_path):
     helm = chart.helm_binary()
     objects = chart.render(helm, "-f", str(chart.CHART / "ci" / "cpu-demo-values.yaml"))
     case = chart.Rendered(chart.CHART / "ci" / "cpu-demo-values.yaml", {}, objects)
-    text, pod_env, _ = chart.pod_config(case)  # less the keys still pending on this branch
+    text, pod_env = chart.gateway_toml(case), chart.gateway_env(case)
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "yieldgate.toml").write_text(text)
     # Only loopback: the gateway listens on 127.0.0.1, and names resolve through a nameserver on
