@@ -218,7 +218,8 @@ def test_a_request_whose_adapter_is_unloaded_again_before_it_is_routed_loads_it_
         adapters.slots.ensure = ensure  # type: ignore[method-assign]
         ctx = RequestContext(request_id="r", kind="completions", model="x", tier="standard", started=0.0,
                              adapter=adapters.resolve("x"))
-        exchange = Exchange(gateway.pipeline, APIS["completions"], Intake({}, None, ctx), b"")
+        pool = gateway.models.primary
+        exchange = Exchange(gateway.pipeline, pool, APIS["completions"], Intake({}, None, ctx, pool), b"")
         candidates = await exchange._candidates()
         assert [r.name for r in candidates] == ["a"] and loads == [["a", "b"], ["a", "b"]]
 

@@ -81,6 +81,24 @@ def gateway(lora_engine: str, smol_dir: Path, redis_url: str, tmp_path_factory):
         env.undo()
 
 
+def decidable_at(sent: list[tuple[str, bool, float]], name: str, enough_at: float) -> float:
+    """When the grades in time order first put the canary's success rate below the stable one's
+    beyond noise (pricing/release_gate.py's bound at the rule's confidence); `enough_at` if never."""
+    from statistics import NormalDist
+
+    from yieldgate.pricing.release_gate import rate_difference_bounds
+
+    z = NormalDist().inv_cdf(RULE.confidence)
+    counts = {f"{name}@v0": [0, 0], f"{name}@broken": [0, 0]}
+    for version, passed, at in sorted(sent, key=lambda x: x[2]):
+        counts[version][0] += passed
+        counts[version][1] += 1
+        (ss, sn), (cs, cn) = counts[f"{name}@v0"], counts[f"{name}@broken"]
+        if min(sn, cn) >= RULE.min_graded and rate_difference_bounds((cs, cn), (ss, sn), z)[1] < 0:
+            return max(at, enough_at)
+    return enough_at
+
+
 def adapters(smol_dir: Path, root: Path) -> tuple[dict, dict]:
     """-> (a zero adapter: the base model's answers; a broken one: large random LoRA weights)."""
     tensors = load_file(random_adapter(smol_dir, root / "zero", seed=1) / "adapter_model.safetensors")
@@ -130,8 +148,10 @@ def test_sabotage_drill_a_broken_canary_is_rolled_back_by_the_gateways_timer(gat
           f"rule's minimum was graded: {decisions[-1]['reason'] if decisions else ''}")
     assert doc["canary"] is None and doc["current"] == "v0", doc
     assert len(decisions) == 1 and decisions[0]["verdict"] == "rollback" and decisions[0]["by"] == "timer"
-    # Within one evaluation window of the grades that decide it (plus the ledger flush and a tick).
-    assert decisions[0]["at"] - enough_at <= EVALUATE_S + 5.0
+    # Within one evaluation window of the grades that decide it (plus the ledger flush and a tick):
+    # from when the graded requests first said "worse beyond noise" by the rule's own bound (how many
+    # that takes depends on the base model's success rate), or from min_graded if the cost rule came first.
+    assert decisions[0]["at"] - decidable_at(sent, name, enough_at) <= EVALUATE_S + 5.0
     # The ledger: the broken version served no more than its share of the adapter's requests.
     spend = admin.get("/admin/spend", params={"group_by": "weight_version", "since": started}).json()
     by_version = {r["group"]["weight_version"]: r["requests"] for r in spend["rows"]}
