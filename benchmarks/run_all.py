@@ -668,7 +668,7 @@ BENCHMARKS = [
               "≥ 2× on greedy code edits, ≥ 1× on every class",
               "`python benchmarks/run_all.py --only fast_vs_standard` ([command](docs/benchmarks.md#fast-tier))",
               fast_vs_standard,
-              run=["benchmarks/fast_vs_standard.py", "--requests", "6", "--concurrency", "1",
+              run=["benchmarks/fast_vs_standard.py", "--requests", "5", "--concurrency", "1",
                    "--gateway", "http://127.0.0.1:8000"], stack="examples/fast-tier.toml",
               files=["fast_vs_standard"]),
     Benchmark("weight_push", "weight push, 386 MB model into one engine", "≥ 80%",
