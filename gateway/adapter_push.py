@@ -23,8 +23,8 @@ from yieldgate.serving import (
 )
 
 from .adapters import adapter_api_error, adapter_doc
-from .errors import APIError, InvalidRequest, PayloadTooLarge
-from .http import json_response
+from .errors import APIError, InvalidRequest
+from .http import json_response, read_body
 
 MAX_ADAPTER_BYTES = 2 << 30
 CHECKSUM_HEADER = "x-yieldgate-sha256"
@@ -33,16 +33,6 @@ CHECKSUM_HEADER = "x-yieldgate-sha256"
 class UnprocessableAdapter(APIError):
     status = 422
     code = "incompatible_adapter"
-
-
-async def _read(request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_ADAPTER_BYTES:
-            raise PayloadTooLarge(f"An adapter upload is at most {MAX_ADAPTER_BYTES} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _share(raw: str | None) -> float | None:
@@ -75,7 +65,7 @@ def build_adapter_push_router(adapters: Adapters, fleet: FleetConfig, model_dir:
                                  param=CHECKSUM_HEADER, code="missing_checksum")
         tiers = request.query_params.getlist("tiers") or None
         share = _share(request.query_params.get("canary"))
-        data = await _read(request)
+        data = await read_body(request, MAX_ADAPTER_BYTES, f"An adapter upload is at most {MAX_ADAPTER_BYTES} bytes.")
         digest = hashlib.sha256(data).hexdigest()
         if digest != expected:
             raise InvalidRequest(f"Checksum mismatch: the upload's SHA-256 is {digest}, {CHECKSUM_HEADER} "

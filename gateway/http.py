@@ -9,7 +9,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from .errors import AuthenticationError, InvalidRequest
+from .errors import AuthenticationError, InvalidRequest, PayloadTooLarge
 
 # Money is encoded as JSON numbers printed from the exact Decimals.
 ENCODER = msgspec.json.Encoder(decimal_format="number")
@@ -17,6 +17,22 @@ ENCODER = msgspec.json.Encoder(decimal_format="number")
 
 def json_response(data: Any, status: int = 200) -> Response:
     return Response(ENCODER.encode(data), status_code=status, media_type="application/json")
+
+
+async def read_body(request: Request, max_bytes: int, too_large: str = "") -> bytes:
+    """The whole body, refused (413, `too_large` or a plain message) past `max_bytes`, by its
+    declared length before anything is read, else as soon as the chunks pass it."""
+    message = too_large or f"Request body exceeds {max_bytes} bytes."
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(message)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(message)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def decode_body(request: Request, type_: type) -> Any:

@@ -25,8 +25,8 @@ from starlette.responses import Response, StreamingResponse
 from .batch_api import COMPLETION_WINDOW_S, LINES_PER_INSERT, Authenticator, Principal, batch_principal, prefix_key
 from .batch_store import ANTHROPIC, TERMINAL, BatchRow, BatchStore, DuplicateCustomId, NewLine, new_id
 from .config import LaneConfig, RequestLimits
-from .errors import APIError, InvalidRequest, NotFound, PayloadTooLarge, anthropic_error_response
-from .http import json_response
+from .errors import APIError, InvalidRequest, NotFound, anthropic_error_response
+from .http import json_response, read_body
 from .intake import parse_request
 
 ENDPOINT = "/v1/messages"
@@ -88,20 +88,6 @@ def rfc3339(t: float | None) -> str | None:
     if t is None:
         return None
     return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refused (413) past `max_bytes` before it is all read."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes.")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"Request body exceeds {max_bytes} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def parse_requests(body: bytes, limits: RequestLimits, max_requests: int) -> list[NewLine]:
